@@ -1,0 +1,142 @@
+"""The adapter interface: every fact about a vLLM wheel that feature code needs.
+
+Feature code never compares versions; it asks the selected adapter. Each family
+module (``vllm_0_26`` ... ``vllm_0_33``) subclasses the previous family and
+overrides only what changed, so a difference between two wheels is one line in
+one file.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hybrid_kv_plugin.adapters.capabilities import Feature, FeatureVerdict, Support
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.patching import PatchSpec
+
+
+class VllmAdapter:
+    # The (major, minor) families this adapter serves and the wheels it was tested on.
+    families: ClassVar[tuple[tuple[int, int], ...]] = ()
+    tested_wheels: ClassVar[tuple[str, ...]] = ()
+
+    # --- facts about the wheel (override in the family that changed them) ---
+    # KVCacheTensor layout: "shared_by" (<=0.28) or "layers" (0.29+).
+    kv_cache_tensor_style: ClassVar[str] = "shared_by"
+    # The engine runs a hybrid align model with CacheConfig.block_size equal to the Mamba
+    # block size (<=0.27: hash-size resolution compares Mamba blocks against it).
+    cache_block_size_is_mamba_block_size: ClassVar[bool] = True
+    # Request hashes include speculative lookahead tokens (0.33+).
+    hashes_lookahead_tokens: ClassVar[bool] = False
+    # KVCacheConfig carries hash_block_size / cache_hit_alignment_tokens (0.33+).
+    kv_cache_config_carries_hash_sizes: ClassVar[bool] = False
+    # The native CacheConfig field of the junction checkpoint, if the wheel has one.
+    native_junction_flag: ClassVar[str | None] = None
+    # scheduler_output.kv_connector_block_state.boundary_state_offloads exists (0.29+).
+    has_boundary_handoffs: ClassVar[bool] = False
+    has_native_fine_grained_cpu_hits: ClassVar[bool] = False
+    has_native_nixl_ssm_clip: ClassVar[bool] = False
+    # Keys the wheel's stock SimpleCPUOffloadConnector reads from kv_connector_extra_config.
+    simplecpu_stock_keys: ClassVar[frozenset[str]] = frozenset(
+        {"cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload"}
+    )
+
+    # Backports this plugin release ships; a feature missing from here is "unavailable".
+    backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
+
+    def __init__(self, version: str):
+        self.version = version
+
+    @property
+    def name(self) -> str:
+        first, last = self.families[0], self.families[-1]
+        span = f"{first[0]}.{first[1]}" + ("" if first == last else f"-{last[0]}.{last[1]}")
+        return f"vllm {span} adapter"
+
+    # ------------------------------------------------------------------ capabilities
+    def verdicts(self) -> list[FeatureVerdict]:
+        return [self.verdict(feature) for feature in Feature]
+
+    def verdict(self, feature: Feature) -> FeatureVerdict:
+        native, why_not = self._native_or_missing(feature)
+        if native:
+            return FeatureVerdict(feature, Support.NATIVE, why_not)
+        if feature in self.backports_shipped:
+            return FeatureVerdict(feature, Support.BACKPORT, why_not)
+        return FeatureVerdict(feature, Support.UNAVAILABLE, self._unavailable_reason(feature, why_not))
+
+    def _native_or_missing(self, feature: Feature) -> tuple[bool, str]:
+        if feature is Feature.NIXL_SSM_SLOT_PAIRING:
+            if self.has_native_nixl_ssm_clip:
+                return True, "the NIXL scheduler has get_exchange_clipped_blocks (vLLM 0.27.0)"
+            return False, "the NIXL scheduler clips sliding-window groups only"
+        if feature is Feature.MAMBA_JUNCTION_CHECKPOINT:
+            if self.native_junction_flag:
+                return True, f"CacheConfig.{self.native_junction_flag} (vLLM PR #53945)"
+            return False, "the Mamba split stops at the block-floored junction only"
+        if self.has_native_fine_grained_cpu_hits:
+            return True, "SimpleCPU loads fine-grained hybrid hits (vLLM PR #54736)"
+        if self.has_boundary_handoffs:
+            return False, "SimpleCPU ignores the Mamba boundary handoffs this wheel publishes"
+        return False, "this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0)"
+
+    def _unavailable_reason(self, feature: Feature, why_not: str) -> str:
+        if feature is Feature.FINE_GRAINED_CPU_HITS and not self.has_boundary_handoffs:
+            return f"{why_not}; the connector refuses fine-grained mode at start-up"
+        return f"{why_not}; this plugin release ships no backport for this wheel"
+
+    def supports(self, feature: Feature) -> bool:
+        return self.verdict(feature).support is not Support.UNAVAILABLE
+
+    # ------------------------------------------------------------------ patches
+    def patch_specs(self) -> list[PatchSpec]:
+        """Every patch this wheel needs, in install order."""
+        from hybrid_kv_plugin.patches import scheduler_plugin_config
+
+        return [scheduler_plugin_config.spec(self)]
+
+    # ------------------------------------------------------------------ plugin config
+    def apply_native_flags(self, vllm_config: Any, plugin_config: Any) -> None:
+        """Map plugin switches onto the wheel's native fields, where it has them."""
+        flag = self.native_junction_flag
+        if flag and plugin_config.mamba_shared_prefix_checkpoint:
+            setattr(vllm_config.cache_config, flag, True)
+
+    def native_junction_flag_set(self, vllm_config: Any) -> bool:
+        flag = self.native_junction_flag
+        return bool(flag and getattr(vllm_config.cache_config, flag, False))
+
+    # ------------------------------------------------------------------ building blocks for tests and replay
+    def make_kv_cache_tensor(self, size: int, layer_names: list[str], page_size: int) -> Any:
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        if self.kv_cache_tensor_style == "shared_by":
+            return KVCacheTensor(size=size, shared_by=list(layer_names))
+        # Groups overlay one allocation: every layer starts at offset 0, one page per block.
+        return KVCacheTensor(size=size, layers=list(layer_names), layer_stride=0, block_stride=page_size)
+
+    def resolve_block_sizes(self, kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+        """(scheduler block size, hash block size), recorded where the wheel's engine records them."""
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        if self.kv_cache_config_carries_hash_sizes:
+            from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+
+            kv_cache_config.hash_block_size = hash_block_size
+            kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+                kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
+            )
+        return scheduler_block_size, hash_block_size
+
+    def request_block_hasher(self, vllm_config: Any, hash_block_size: int) -> Any:
+        """The per-request hasher built the way the wheel's EngineCore builds it."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        if self.hashes_lookahead_tokens:
+            return get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+        return get_request_block_hasher(hash_block_size, hash_fn)

@@ -1,0 +1,16 @@
+"""vLLM 0.28.x: SimpleCPU gains a disk tier; hash-size resolution reads the Mamba cache mode."""
+
+from hybrid_kv_plugin.adapters.vllm_0_27 import Vllm027Adapter
+
+
+class Vllm028Adapter(Vllm027Adapter):
+    families = ((0, 28),)
+    tested_wheels = ("0.28.0",)
+    cache_block_size_is_mamba_block_size = False
+    simplecpu_stock_keys = Vllm027Adapter.simplecpu_stock_keys | {
+        "kv_offload_backend",
+        "disk_path",
+        "disk_capacity_bytes",
+        "disk_buffer_slots",
+        "use_page_cache",
+    }

@@ -1,0 +1,148 @@
+"""The plugin's user-facing configuration, validated by pydantic.
+
+Two places carry it, both present on every supported wheel:
+
+* ``--additional-config '{"hybrid_kv": {...}}'`` (``VllmConfig.additional_config``)
+  for engine-wide switches (:class:`PluginConfig`);
+* ``--kv-transfer-config '{..., "kv_connector_extra_config": {...}}'`` for the
+  connector's own options (:class:`ConnectorOptions`).
+
+Invalid input raises :class:`PluginConfigError` at start-up; its message names
+the offending key and the values it accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ADDITIONAL_CONFIG_KEY = "hybrid_kv"
+ENV_DISABLE = "HYBRID_KV_PLUGIN_DISABLE"
+ENV_SHARED_PREFIX_CHECKPOINT = "HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class PluginConfigError(ValueError):
+    """A plugin option is unknown or has a value outside what it accepts."""
+
+
+class PluginConfig(BaseModel):
+    """Options under ``additional_config["hybrid_kv"]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    mamba_shared_prefix_checkpoint: bool = Field(
+        default=False,
+        description="Cache the Mamba state at the shared-prefix junction under EAGLE "
+        "(one extra state block per junction).",
+    )
+
+
+class ConnectorOptions(BaseModel):
+    """The plugin's own options of ``HybridSimpleCPUConnector`` in ``kv_connector_extra_config``.
+
+    The stock SimpleCPU keys of the installed wheel (``cpu_bytes_to_use``,
+    ``lazy_offload``, ...) are passed through to vLLM untouched; the adapter names
+    them, so any other key is reported as unknown instead of silently ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    fine_grained_hits: bool = Field(
+        default=True,
+        description="Load hash-granular external hits for hybrid attention + Mamba align models.",
+    )
+
+
+def _describe_error(prefix: str, model: type[BaseModel], err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(model.model_fields))
+            lines.append(f"{prefix}.{key}: unknown key (allowed keys: {allowed})")
+            continue
+        field = model.model_fields.get(str(item["loc"][0])) if item["loc"] else None
+        allowed = _allowed_values(field.annotation) if field is not None else ""
+        lines.append(f"{prefix}.{key}: {item['msg']} (got {item.get('input')!r}; allowed: {allowed})")
+    return "invalid hybrid-kv-plugin configuration: " + "; ".join(lines)
+
+
+def _allowed_values(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    if annotation is bool:
+        return "true or false"
+    if text in ("int | None", "Optional[int]") or "int" in text:
+        return "a positive integer"
+    return text
+
+
+def _validate(model: type[BaseModel], prefix: str, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise PluginConfigError(
+            f"invalid hybrid-kv-plugin configuration: {prefix} must be a JSON object, "
+            f"got {type(raw).__name__} (allowed keys: {', '.join(sorted(model.model_fields))})"
+        )
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as err:
+        raise PluginConfigError(_describe_error(prefix, model, err)) from None
+
+
+def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
+    """Parse a boolean environment variable; ``None`` when unset. Bad values raise."""
+    environ = os.environ if environ is None else environ
+    if name not in environ:
+        return None
+    value = environ[name].strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise PluginConfigError(
+        f"invalid hybrid-kv-plugin configuration: environment variable {name}={environ[name]!r} "
+        "(allowed: 1, 0, true, false, yes, no, on, off)"
+    )
+
+
+def plugin_config_from(
+    additional_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> PluginConfig:
+    """Read ``additional_config["hybrid_kv"]``, then apply environment overrides."""
+    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    config = _validate(PluginConfig, ADDITIONAL_CONFIG_KEY, section)
+    override = env_flag(ENV_SHARED_PREFIX_CHECKPOINT, environ)
+    if override is not None:
+        config = config.model_copy(update={"mamba_shared_prefix_checkpoint": override})
+    return config
+
+
+def connector_options_from(
+    extra_config: Mapping[str, Any] | None, stock_keys: frozenset[str]
+) -> ConnectorOptions:
+    """Validate the plugin's keys; any key neither ours nor the wheel's stock one is an error."""
+    if extra_config is not None and not isinstance(extra_config, Mapping):
+        return _validate(ConnectorOptions, "kv_connector_extra_config", extra_config)
+    ours = {k: v for k, v in (extra_config or {}).items() if k not in stock_keys}
+    try:
+        return ConnectorOptions.model_validate(ours)
+    except ValidationError as err:
+        message = _describe_error("kv_connector_extra_config", ConnectorOptions, err)
+        if any(item["type"] == "extra_forbidden" for item in err.errors()):
+            message += f"; this vLLM's SimpleCPU keys: {', '.join(sorted(stock_keys))}"
+        raise PluginConfigError(message) from None
+
+
+def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``HYBRID_KV_PLUGIN_DISABLE``: a malformed value disables too, and says so."""
+    try:
+        return bool(env_flag(ENV_DISABLE, environ))
+    except PluginConfigError:
+        return True

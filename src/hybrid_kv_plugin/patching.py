@@ -1,0 +1,158 @@
+"""All-or-nothing installation of the plugin's patches into vLLM.
+
+A :class:`PatchSpec` names one attribute of vLLM (``module:Owner.attr``), the
+shape the plugin expects it to have (:class:`Fingerprint`), and how to build its
+replacement from the original. :class:`PatchSet` resolves and checks *every*
+target before it touches any: one mismatch and nothing is patched. Originals
+are recorded so :meth:`PatchSet.uninstall` restores vLLM exactly (including
+deleting an attribute that a subclass only inherited before).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PATCH_MARKER = "__hybrid_kv_patch__"
+
+
+class PatchMismatch(RuntimeError):
+    """A patch target is missing or does not have the shape the plugin was written for."""
+
+    def __init__(self, target: str, reason: str):
+        super().__init__(f"{target}: {reason}")
+        self.target = target
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What the original must look like for the patch to be safe.
+
+    ``params``: the callable's parameter names, in order, as a prefix of its
+    signature (extra trailing parameters of a newer wheel are a mismatch only
+    when ``exact``). ``attrs``: attributes that must exist on the original
+    (classes) or on its owner (methods).
+    """
+
+    params: tuple[str, ...] | None = None
+    exact: bool = False
+    attrs: tuple[str, ...] = ()
+    owner_attrs: tuple[str, ...] = ()
+
+    def check(self, original: Any, owner: Any) -> str | None:
+        if self.params is not None:
+            try:
+                names = tuple(inspect.signature(original).parameters)
+            except (TypeError, ValueError):
+                return "is not a function with a readable signature"
+            want = self.params
+            if names[: len(want)] != want or (self.exact and names != want):
+                return f"signature is ({', '.join(names)}), expected ({', '.join(want)}{'' if self.exact else ', ...'})"
+        missing = [a for a in self.attrs if not hasattr(original, a)]
+        missing += [a for a in self.owner_attrs if not hasattr(owner, a)]
+        if missing:
+            return f"missing attribute(s) {', '.join(missing)}"
+        return None
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One replaced attribute. ``target`` is ``"package.module:Owner.attr"`` or ``"package.module:attr"``."""
+
+    name: str
+    target: str
+    build: Callable[[Any], Any]
+    fingerprint: Fingerprint = field(default_factory=Fingerprint)
+    # Documentation carried with the patch and printed by ``hybrid-kv doctor``.
+    why: str = ""
+    upstream: str = ""
+    removed_in: str = ""
+
+    def resolve(self) -> tuple[Any, str, Any]:
+        """Return ``(owner, attribute name, original)`` or raise :class:`PatchMismatch`."""
+        module_name, _, path = self.target.partition(":")
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except Exception as exc:  # an import error of a changed wheel is a mismatch too
+            raise PatchMismatch(self.target, f"module cannot be imported ({exc!r})") from None
+        *owner_path, attr = path.split(".")
+        for part in owner_path:
+            if not hasattr(owner, part):
+                raise PatchMismatch(self.target, f"{part} not found")
+            owner = getattr(owner, part)
+        if not hasattr(owner, attr):
+            raise PatchMismatch(self.target, f"{attr} not found")
+        original = inspect.getattr_static(owner, attr)
+        if isinstance(original, (staticmethod, classmethod)):
+            raise PatchMismatch(self.target, "static/class methods are not patch targets")
+        if reason := self.fingerprint.check(original, owner):
+            raise PatchMismatch(self.target, reason)
+        return owner, attr, original
+
+
+@dataclass
+class _Applied:
+    spec: PatchSpec
+    owner: Any
+    attr: str
+    original: Any
+    owned: bool  # the attribute lived in the owner's own __dict__ (not inherited)
+
+
+class PatchSet:
+    """Install a list of patches atomically; uninstall restores every original."""
+
+    def __init__(self, specs: Sequence[PatchSpec]):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate patch names in {names}")
+        self.specs = tuple(specs)
+        self._applied: list[_Applied] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._applied)
+
+    def check(self) -> list[PatchMismatch]:
+        """Every mismatch among the targets, without patching anything."""
+        problems = []
+        for spec in self.specs:
+            try:
+                spec.resolve()
+            except PatchMismatch as exc:
+                problems.append(exc)
+        return problems
+
+    def install(self) -> None:
+        """Patch every target or none. Raises the first :class:`PatchMismatch`."""
+        if self._applied:
+            return
+        resolved = [(spec, *spec.resolve()) for spec in self.specs]
+        planned = []
+        for spec, owner, attr, original in resolved:
+            replacement = spec.build(original)
+            try:
+                setattr(replacement, PATCH_MARKER, spec.name)
+            except (AttributeError, TypeError):
+                pass
+            owned = isinstance(owner, type) and attr in vars(owner) or not isinstance(owner, type)
+            planned.append((_Applied(spec, owner, attr, original, owned), replacement))
+        for applied, replacement in planned:
+            setattr(applied.owner, applied.attr, replacement)
+            self._applied.append(applied)
+
+    def uninstall(self) -> None:
+        while self._applied:
+            applied = self._applied.pop()
+            if applied.owned:
+                setattr(applied.owner, applied.attr, applied.original)
+            else:
+                delattr(applied.owner, applied.attr)
+
+
+def is_patched(obj: Any) -> bool:
+    return hasattr(obj, PATCH_MARKER)

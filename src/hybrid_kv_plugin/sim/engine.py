@@ -1,0 +1,239 @@
+"""``SimEngine``: the installed wheel's real scheduler, stepped without a model.
+
+Invariant kept by :meth:`SimEngine.step`: the hand-made ``ModelRunnerOutput`` samples
+exactly one token for a request whose scheduled tokens reach the end of its known
+tokens (prompt complete, or a decode step), and none for a partial prefill chunk,
+which is what a real model runner reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_kv_plugin.sim.geometry import HybridGeometry, build_kv_cache_config, build_vllm_config
+
+SAMPLED_TOKEN = 7
+
+
+@dataclass
+class StepRecord:
+    index: int
+    num_scheduled_tokens: dict[str, int]
+    first_scheduled: dict[str, int]  # req_id -> num_computed_tokens when it first ran (local + external hit)
+    finished: list[str]
+    load_event: int | None = None
+    store_event: int | None = None
+
+
+@dataclass
+class RequestOutcome:
+    """Per request: the hit it got and from where. ``external`` is what the connector loaded."""
+
+    prompt_tokens: int
+    hit_tokens: int | None = None
+    external_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class TransferPolicy:
+    """When the simulated worker reports connector transfers done (an edge, not vLLM code).
+
+    ``delay_steps``: completions are reported that many steps after they were issued.
+    """
+
+    delay_steps: int = 0
+    _pending: list[tuple[int, str, Any]] = field(default_factory=list)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        geometry: HybridGeometry | None = None,
+        *,
+        kv_connector: str | None = None,
+        kv_connector_extra_config: dict[str, Any] | None = None,
+        additional_config: dict[str, Any] | None = None,
+        adapter: Any = None,
+        transfer_policy: TransferPolicy | None = None,
+        scheduler_cls: type | None = None,
+    ):
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        if adapter is None:
+            from hybrid_kv_plugin.registration import current_adapter
+
+            adapter = current_adapter()
+        self.adapter = adapter
+        self.geometry = geometry or HybridGeometry()
+        self.vllm_config = build_vllm_config(
+            self.geometry,
+            adapter,
+            kv_connector=kv_connector,
+            kv_connector_extra_config=kv_connector_extra_config,
+            additional_config=additional_config,
+        )
+        self.kv_cache_config = build_kv_cache_config(self.geometry, adapter)
+        register_all_kvcache_specs(self.vllm_config)
+        self.vllm_config.cache_config.num_gpu_blocks = self.geometry.num_gpu_blocks
+        self.scheduler_block_size, self.hash_block_size = adapter.resolve_block_sizes(
+            self.kv_cache_config, self.vllm_config
+        )
+        scheduler_cls = scheduler_cls or Scheduler
+        self.scheduler = scheduler_cls(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.scheduler_block_size,
+            hash_block_size=self.hash_block_size,
+        )
+        self.block_hasher = adapter.request_block_hasher(self.vllm_config, self.hash_block_size)
+        self.transfers = transfer_policy or TransferPolicy()
+        self.outcomes: dict[str, RequestOutcome] = {}
+        self.steps: list[StepRecord] = []
+        self._observe_connector()
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    @property
+    def gpu_block_pool(self) -> Any:
+        return self.scheduler.kv_cache_manager.block_pool
+
+    @property
+    def offload_manager(self) -> Any:
+        """The SimpleCPU scheduler-side manager (``SimpleCPUOffloadScheduler``), if any."""
+        return getattr(self.connector, "scheduler_manager", None)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 1) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+        self.outcomes[request_id] = RequestOutcome(prompt_tokens=len(prompt_token_ids))
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict the GPU prefix cache only (the CPU tier keeps what it stored)."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def has_work(self) -> bool:
+        pending_transfers = bool(self.transfers._pending)
+        connector_busy = False
+        if self.connector is not None and hasattr(self.connector, "has_pending_transfers"):
+            connector_busy = bool(self.connector.has_pending_transfers())
+        return self.scheduler.has_requests() or pending_transfers or connector_busy
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> StepRecord:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        scheduler_output = self.scheduler.schedule()
+        record = StepRecord(
+            index=len(self.steps),
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            first_scheduled={},
+            finished=[],
+        )
+        for new_request in scheduler_output.scheduled_new_reqs:
+            record.first_scheduled[new_request.req_id] = new_request.num_computed_tokens
+            outcome = self.outcomes.get(new_request.req_id)
+            if outcome is not None and outcome.hit_tokens is None:
+                outcome.hit_tokens = new_request.num_computed_tokens
+        req_ids, sampled = [], []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.scheduler.requests[req_id]
+            req_ids.append(req_id)
+            prompt_done = request.num_computed_tokens >= request.num_tokens
+            sampled.append([SAMPLED_TOKEN] if prompt_done else [])
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=self._worker_transfers(scheduler_output, record),
+        )
+        self.scheduler.update_from_output(scheduler_output, output)
+        for req_id in list(self.outcomes):
+            outcome = self.outcomes[req_id]
+            if not outcome.finished and req_id not in self.scheduler.requests:
+                outcome.finished = True
+                record.finished.append(req_id)
+        self.steps.append(record)
+        return record
+
+    def run_until_idle(self, max_steps: int = 100_000) -> list[StepRecord]:
+        start = len(self.steps)
+        while self.has_work():
+            if len(self.steps) - start >= max_steps:
+                raise RuntimeError(f"scheduler did not go idle within {max_steps} steps")
+            self.step()
+        return self.steps[start:]
+
+    def run(self, requests: Sequence[tuple[str, Sequence[int]]], max_tokens: int = 1) -> dict[str, int]:
+        """Add requests, run to idle, return each one's hit (tokens it did not compute)."""
+        for request_id, tokens in requests:
+            self.add_request(request_id, tokens, max_tokens=max_tokens)
+        self.run_until_idle()
+        return {request_id: self.outcomes[request_id].hit_tokens or 0 for request_id, _ in requests}
+
+    # ------------------------------------------------------------------ the simulated worker (an edge)
+    def _worker_transfers(self, scheduler_output: Any, record: StepRecord) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = scheduler_output.kv_connector_metadata
+        if meta is None or self.connector is None:
+            return None
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        step = len(self.steps)
+        if getattr(meta, "load_event", -1) >= 0:
+            record.load_event = meta.load_event
+            reqs = meta.load_event_to_reqs.get(meta.load_event, [])
+            self.transfers._pending.append((step + self.transfers.delay_steps, "load", list(reqs)))
+        if getattr(meta, "store_event", -1) >= 0:
+            record.store_event = meta.store_event
+            self.transfers._pending.append((step + self.transfers.delay_steps, "store", meta.store_event))
+        due = [p for p in self.transfers._pending if p[0] <= step]
+        self.transfers._pending = [p for p in self.transfers._pending if p[0] > step]
+        recving = {r for _, kind, reqs in due if kind == "load" for r in reqs}
+        stores = {event: 1 for _, kind, event in due if kind == "store"}
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores),
+        )
+
+    def _observe_connector(self) -> None:
+        """Record each request's external (connector) hit; the connector's answer is unchanged."""
+        connector = self.connector
+        if connector is None:
+            return
+        original: Callable[..., Any] = connector.get_num_new_matched_tokens
+        outcomes = self.outcomes
+
+        def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
+            result = original(request, num_computed_tokens)
+            external = result[0] if isinstance(result, tuple) else result
+            if request.request_id in outcomes and external:
+                outcomes[request.request_id].external_tokens = external
+            return result
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens

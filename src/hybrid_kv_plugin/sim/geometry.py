@@ -1,0 +1,136 @@
+"""The KV-cache geometry of a simulated hybrid model, and the vLLM configs built from it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+MODEL_DIR = "tiny-qwen3-next"
+DRAFT_DIR = "tiny-llama-draft"
+ATTENTION_LAYER = "model.layers.3.self_attn.attn"
+MAMBA_LAYER = "model.layers.0.linear_attn"
+DRAFT_LAYER = "draft_model.layers.0.self_attn.attn"
+# Bytes of one attention page: block_size tokens x 1 head x 16 dims x fp16 x (K, V).
+_ATTN_BYTES_PER_TOKEN = 1 * 16 * 2 * 2
+
+
+def data_dir(name: str) -> str:
+    return str(resources.files("hybrid_kv_plugin.sim") / "data" / name)
+
+
+def offline_environment() -> None:
+    """vLLM must not reach a hub, and its caches go to a private temp dir unless set."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-"))
+
+
+@dataclass(frozen=True)
+class HybridGeometry:
+    """One full-attention group plus one Mamba group, page sizes equal (as vLLM requires).
+
+    ``hash_block_size`` is the prefix-match unit (``CacheConfig.prefix_match_unit``).
+    """
+
+    attention_block_size: int = 16
+    mamba_block_size: int = 64
+    hash_block_size: int = 16
+    mamba_cache_mode: str = "align"
+    num_gpu_blocks: int = 256
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    eagle: bool = False
+    num_speculative_tokens: int = 1
+    extra_cache_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attention_page_bytes(self) -> int:
+        return self.attention_block_size * _ATTN_BYTES_PER_TOKEN
+
+    def mamba_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        # Two fp16 tensors whose bytes add up to one attention page.
+        elems = self.attention_page_bytes // 2 // 2
+        return (1, elems), (1, elems)
+
+
+def build_vllm_config(
+    geometry: HybridGeometry,
+    adapter: Any,
+    *,
+    kv_connector: str | None = None,
+    kv_connector_extra_config: dict[str, Any] | None = None,
+    additional_config: dict[str, Any] | None = None,
+) -> Any:
+    """A real ``VllmConfig`` for the tiny hybrid model shipped with the plugin (no weights, no tokenizer)."""
+    offline_environment()
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=data_dir(MODEL_DIR), skip_tokenizer_init=True, max_model_len=geometry.max_model_len
+    )
+    cache_block_size = geometry.attention_block_size
+    if adapter.cache_block_size_is_mamba_block_size and geometry.mamba_cache_mode == "align":
+        cache_block_size = geometry.mamba_block_size
+    cache_config = CacheConfig(
+        block_size=cache_block_size,
+        enable_prefix_caching=geometry.enable_prefix_caching,
+        mamba_cache_mode=geometry.mamba_cache_mode,
+        prefix_match_unit=geometry.hash_block_size,
+        **geometry.extra_cache_config,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=geometry.max_num_batched_tokens,
+        max_num_seqs=geometry.max_num_seqs,
+        max_model_len=geometry.max_model_len,
+        is_encoder_decoder=False,
+    )
+    kv_transfer_config = None
+    if kv_connector is not None:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=kv_connector,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(kv_connector_extra_config or {}),
+        )
+    kwargs: dict[str, Any] = {}
+    if additional_config is not None:
+        kwargs["additional_config"] = additional_config
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv_transfer_config,
+        **kwargs,
+    )
+
+
+def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
+    """The hybrid ``KVCacheConfig`` an engine would derive: FA group + Mamba group over one pool."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    attention = FullAttentionSpec(
+        block_size=geometry.attention_block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
+    )
+    mamba = MambaSpec(
+        block_size=geometry.mamba_block_size,
+        shapes=geometry.mamba_state_shapes(),
+        dtypes=(torch.float16, torch.float16),
+        mamba_cache_mode=geometry.mamba_cache_mode,
+        **({"num_speculative_blocks": geometry.num_speculative_tokens} if geometry.eagle else {}),
+    )
+    assert attention.page_size_bytes == mamba.page_size_bytes, "hybrid groups must share one page size"
+    page = attention.page_size_bytes
+    attention_layers = [ATTENTION_LAYER] + ([DRAFT_LAYER] if geometry.eagle else [])
+    tensor = adapter.make_kv_cache_tensor(
+        page * geometry.num_gpu_blocks, [*attention_layers, MAMBA_LAYER], page
+    )
+    return KVCacheConfig(
+        num_blocks=geometry.num_gpu_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(attention_layers, attention), KVCacheGroupSpec([MAMBA_LAYER], mamba)],
+    )
