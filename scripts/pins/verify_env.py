@@ -70,6 +70,40 @@ NIXL_WORKER_MODULES = [".base_worker", ".pull_worker", ".push_worker", ".worker"
 OPTIONAL_IMPORTS = [("vllm.entrypoints.cli.main", "main")]
 
 failures: list[str] = []
+queried_dists: set[str] = set()
+
+
+def _trace_metadata_queries() -> None:
+    """Record distribution names looked up via importlib.metadata."""
+    import importlib.metadata as md
+
+    for fname in ("version", "distribution", "metadata", "requires", "files"):
+        orig = getattr(md, fname)
+
+        def wrapper(name, *a, __orig=orig, **k):
+            queried_dists.add(str(name))
+            return __orig(name, *a, **k)
+
+        setattr(md, fname, wrapper)
+
+
+def _print_used_dists() -> None:
+    import importlib.metadata as md
+
+    mapping = md.packages_distributions()
+    used: set[str] = set()
+    for mod in list(sys.modules):
+        top = mod.split(".")[0]
+        for dist in mapping.get(top, []):
+            used.add(dist)
+    installed = {d.metadata["Name"] for d in md.distributions()}
+    norm = lambda n: n.lower().replace("_", "-").replace(".", "-")  # noqa: E731
+    used_n = {norm(d) for d in used}
+    queried_n = {norm(d) for d in queried_dists}
+    print("TRACE imported: " + " ".join(sorted(used_n)))
+    print("TRACE metadata-queried: " + " ".join(sorted(queried_n)))
+    print("TRACE unused: " + " ".join(sorted(
+        norm(d) for d in installed if norm(d) not in used_n | queried_n)))
 
 
 def report(name: str, ok: bool, detail: str = "", required: bool = True) -> None:
@@ -93,6 +127,9 @@ def try_import(mod: str, attr: str | None, required: bool = True) -> None:
 
 
 def main() -> int:
+    trace = os.environ.get("HKV_TRACE_DISTS") == "1"
+    if trace:
+        _trace_metadata_queries()
     qwen_cfg = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_QWEN_CONFIG
     print(f"vllm {importlib.metadata.version('vllm')}, "
           f"torch {importlib.metadata.version('torch')}, "
@@ -199,6 +236,8 @@ def main() -> int:
                   f"draft arch={vcs.speculative_config.draft_model_config.architectures}",
                   flush=True)
 
+    if trace:
+        _print_used_dists()
     print(f"RESULT {'FAIL ' + ', '.join(failures) if failures else 'OK'}", flush=True)
     return 1 if failures else 0
 

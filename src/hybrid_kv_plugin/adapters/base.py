@@ -91,10 +91,29 @@ class VllmAdapter:
 
     # ------------------------------------------------------------------ patches
     def patch_specs(self) -> list[PatchSpec]:
-        """Every patch this wheel needs, in install order."""
+        """Every patch this wheel needs, in install order (all installed, or none)."""
         from hybrid_kv_plugin.patches import scheduler_plugin_config
 
-        return [scheduler_plugin_config.spec(self)]
+        return [
+            scheduler_plugin_config.spec(self),
+            *self.nixl_patch_specs(),
+            *self.junction_patch_specs(),
+            *self.cpu_offload_patch_specs(),
+        ]
+
+    # One hook per seed feature; each returns [] where the wheel is native or the
+    # feature is unavailable.
+    def nixl_patch_specs(self) -> list[PatchSpec]:
+        """Seed 004: NIXL SSM exchange clip + worker pairing."""
+        return []
+
+    def junction_patch_specs(self) -> list[PatchSpec]:
+        """Seed 003: Mamba shared-prefix (junction) checkpoint."""
+        return []
+
+    def cpu_offload_patch_specs(self) -> list[PatchSpec]:
+        """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""
+        return []
 
     # ------------------------------------------------------------------ plugin config
     def apply_native_flags(self, vllm_config: Any, plugin_config: Any) -> None:
