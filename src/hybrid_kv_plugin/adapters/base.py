@@ -37,10 +37,21 @@ class VllmAdapter:
     has_boundary_handoffs: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
     has_native_nixl_ssm_clip: ClassVar[bool] = False
+    # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one
+    # physical-per-logical ratio (<=0.27: the remote's) or two (0.28+: decode's, prefill's).
+    nixl_pairing_ratio_args: ClassVar[int] = 1
     # Keys the wheel's stock SimpleCPUOffloadConnector reads from kv_connector_extra_config.
     simplecpu_stock_keys: ClassVar[frozenset[str]] = frozenset(
         {"cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload"}
     )
+    # SimpleCPU offload (seed 000). The worker submits a step's stores even when the
+    # step runs no forward pass (0.30+); older workers submit only from wait_for_save.
+    simplecpu_worker_submits_without_forward: ClassVar[bool] = False
+    # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
+    has_native_simplecpu_metrics: ClassVar[bool] = False
+    # The engine core asks workers for the aligned CPU block count only when a connector
+    # *named* SimpleCPUOffloadConnector is configured (0.33+, v1/engine/core.py).
+    simplecpu_block_count_gated_by_name: ClassVar[bool] = False
 
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
@@ -115,6 +126,26 @@ class VllmAdapter:
         """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""
         return []
 
+    # ------------------------------------------------------------------ SimpleCPU offload geometry (seed 000)
+    def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
+        """Physical block size of each KV-cache group, as the coordinator's managers resolved it.
+
+        The managers already apply DCP only to the groups it shards (full attention);
+        0.30+ publishes the same tuple as ``coordinator.group_block_sizes``.
+        """
+        return tuple(manager.block_size for manager in coordinator.single_type_managers)
+
+    def offload_positionally_stable(self, manager: Any) -> bool:
+        """Whether a monotonically advancing cursor can follow this manager's block table.
+
+        Mamba in ``align`` mode nulls interior states and relocates speculative blocks in
+        place, so its blocks must come from the boundary hand-offs instead (0.30+ exposes
+        this as ``manager.has_positionally_stable_blocks``).
+        """
+        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+        return not (isinstance(manager, MambaManager) and manager.mamba_cache_mode == "align")
+
     # ------------------------------------------------------------------ plugin config
     def apply_native_flags(self, vllm_config: Any, plugin_config: Any) -> None:
         """Map plugin switches onto the wheel's native fields, where it has them."""
@@ -159,3 +190,12 @@ class VllmAdapter:
         if self.hashes_lookahead_tokens:
             return get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
         return get_request_block_hasher(hash_block_size, hash_fn)
+
+    def mark_eagle_groups(self, vllm_config: Any, kv_cache_config: Any, draft_layers: frozenset[str]) -> None:
+        """Flag ``is_eagle_group`` on the groups the wheel's engine would flag for this model.
+
+        0.26-0.32 flag nothing for plain EAGLE on a non-DeepSeek-V4 model (0.26-0.28 only know
+        the DeepSeek-V4 MTP layer; 0.29-0.32 ``_annotate_eagle_groups`` reads a DSpark-only spec
+        marker), so their coordinators fall back to treating every group as an EAGLE group.
+        """
+        return None

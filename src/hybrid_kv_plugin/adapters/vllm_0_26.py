@@ -1,8 +1,34 @@
 """vLLM 0.26.x: no NIXL SSM clip, no Mamba boundary handoffs, no junction checkpoint."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from hybrid_kv_plugin.adapters.base import VllmAdapter
+from hybrid_kv_plugin.adapters.capabilities import Feature
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.patching import PatchSpec
 
 
 class Vllm026Adapter(VllmAdapter):
     families = ((0, 26),)
     tested_wheels = ("0.26.0",)
+    backports_shipped = VllmAdapter.backports_shipped | {Feature.NIXL_SSM_SLOT_PAIRING}
+
+    def nixl_patch_specs(self) -> list[PatchSpec]:
+        """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""
+        if self.has_native_nixl_ssm_clip or _nixl_scheduler_clips_ssm():
+            return []
+        from hybrid_kv_plugin.patches import nixl_exchange_clip, nixl_save_meta, nixl_worker_pairing
+
+        return [nixl_exchange_clip.spec(self), nixl_save_meta.spec(self), nixl_worker_pairing.spec(self)]
+
+
+def _nixl_scheduler_clips_ssm() -> bool:
+    """Capability probe: a 0.26.x build that already carries vLLM 0.27's SSM-aware clip needs no backport."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+    except Exception:  # the patch resolution reports an unimportable target precisely
+        return False
+    return hasattr(NixlBaseConnectorScheduler, "get_exchange_clipped_blocks")

@@ -6,6 +6,7 @@ from hybrid_kv_plugin.adapters.vllm_0_27 import Vllm027Adapter
 class Vllm028Adapter(Vllm027Adapter):
     families = ((0, 28),)
     tested_wheels = ("0.28.0",)
+    nixl_pairing_ratio_args = 2
     cache_block_size_is_mamba_block_size = False
     simplecpu_stock_keys = Vllm027Adapter.simplecpu_stock_keys | {
         "kv_offload_backend",

@@ -1,5 +1,6 @@
 """vLLM 0.29.x: MambaManager publishes boundary handoffs; KVCacheTensor uses the ``layers`` layout."""
 
+from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.adapters.vllm_0_28 import Vllm028Adapter
 
 
@@ -8,3 +9,6 @@ class Vllm029Adapter(Vllm028Adapter):
     tested_wheels = ("0.29.0",)
     kv_cache_tensor_style = "layers"
     has_boundary_handoffs = True
+    # Seed 000: HybridSimpleCPUConnector backports fine-grained CPU hits on this wheel
+    # (hybrid_kv_plugin.offload; a SimpleCPUOffloadScheduler subclass, no vLLM patch).
+    backports_shipped = Vllm028Adapter.backports_shipped | {Feature.FINE_GRAINED_CPU_HITS}

@@ -1,5 +1,8 @@
 """vLLM 0.30.x: SimpleCPU fine-grained hybrid hits (PR #54736) and the junction flag (PR #53945) are native."""
 
+from typing import Any
+
+from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.adapters.vllm_0_29 import Vllm029Adapter
 
 
@@ -7,4 +10,13 @@ class Vllm030Adapter(Vllm029Adapter):
     families = ((0, 30),)
     tested_wheels = ("0.30.0",)
     has_native_fine_grained_cpu_hits = True
+    # Native wins: the 0.29 backport of seed 000 is not shipped (nor installed) here.
+    backports_shipped = Vllm029Adapter.backports_shipped - {Feature.FINE_GRAINED_CPU_HITS}
+    simplecpu_worker_submits_without_forward = True
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
+
+    def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
+        return tuple(coordinator.group_block_sizes)
+
+    def offload_positionally_stable(self, manager: Any) -> bool:
+        return bool(manager.has_positionally_stable_blocks)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_kv_plugin.sim.geometry import HybridGeometry, build_kv_cache_config, build_vllm_config
+from hybrid_kv_plugin.sim.geometry import DRAFT_LAYER, HybridGeometry, build_kv_cache_config, build_vllm_config
 
 SAMPLED_TOKEN = 7
 
@@ -78,6 +78,8 @@ class SimEngine:
             additional_config=additional_config,
         )
         self.kv_cache_config = build_kv_cache_config(self.geometry, adapter)
+        # The wheel's engine flags EAGLE groups while grouping layers; do it its way here.
+        adapter.mark_eagle_groups(self.vllm_config, self.kv_cache_config, frozenset({DRAFT_LAYER}))
         register_all_kvcache_specs(self.vllm_config)
         self.vllm_config.cache_config.num_gpu_blocks = self.geometry.num_gpu_blocks
         self.scheduler_block_size, self.hash_block_size = adapter.resolve_block_sizes(

@@ -45,6 +45,8 @@ class HybridGeometry:
     enable_prefix_caching: bool = True
     eagle: bool = False
     num_speculative_tokens: int = 1
+    # With ``eagle``: the SpeculativeConfig method; the draft is the tiny Llama in data/.
+    speculative_method: str = "eagle"
     extra_cache_config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -98,6 +100,8 @@ def build_vllm_config(
     kwargs: dict[str, Any] = {}
     if additional_config is not None:
         kwargs["additional_config"] = additional_config
+    if geometry.eagle:
+        kwargs["speculative_config"] = build_speculative_config(geometry, model_config)
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -105,6 +109,20 @@ def build_vllm_config(
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=kv_transfer_config,
         **kwargs,
+    )
+
+
+def build_speculative_config(geometry: HybridGeometry, model_config: Any) -> Any:
+    """A real EAGLE ``SpeculativeConfig``, built offline: the draft is a local directory
+    holding only a hand-written tiny Llama ``config.json`` (same arguments on 0.26-0.33)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        method=geometry.speculative_method,
+        num_speculative_tokens=geometry.num_speculative_tokens,
+        model=data_dir(DRAFT_DIR),
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
     )
 
 

@@ -1,0 +1,1 @@
+"""The ``hybrid-kv`` command line."""

@@ -1,0 +1,87 @@
+"""``hybrid-kv doctor``: what the plugin would do in a vLLM process on this machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+
+@dataclass
+class DoctorReport:
+    vllm_version: str
+    plugin_version: str
+    status: str  # active / disabled / unsupported / mismatch
+    reason: str
+    adapter: str | None
+    features: list[dict[str, str]] = field(default_factory=list)
+    patches: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "active"
+
+
+def collect() -> DoctorReport:
+    """Run the same decision ``register()`` makes, without patching anything."""
+    from hybrid_kv_plugin import __version__
+    from hybrid_kv_plugin.adapters import select_adapter
+    from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
+    from hybrid_kv_plugin.config import ENV_DISABLE, plugin_disabled
+    from hybrid_kv_plugin.patching import PatchSet
+
+    selection = select_adapter()
+    adapter = selection.adapter
+    report = DoctorReport(
+        vllm_version=selection.installed.raw or "not installed",
+        plugin_version=__version__,
+        status="active",
+        reason=selection.reason,
+        adapter=adapter.name if adapter else None,
+    )
+    if adapter is None:
+        report.status = "unsupported"
+        return report
+    report.features = [
+        {"feature": v.feature.value, "title": v.feature.title, "support": v.support.value, "reason": v.reason}
+        for v in adapter.verdicts()
+    ]
+    specs = adapter.patch_specs()
+    report.patches = [
+        {"name": s.name, "target": s.target, "why": s.why, "upstream": s.upstream, "removed_in": s.removed_in}
+        for s in specs
+    ]
+    mismatches = PatchSet(specs).check()
+    if mismatches:
+        report.status = "mismatch"
+        report.reason = "; ".join(str(m) for m in mismatches) + f"; supported vLLM {SUPPORTED_RANGE}"
+    elif plugin_disabled():
+        report.status, report.reason = "disabled", f"{ENV_DISABLE} is set"
+    return report
+
+
+def render(report: DoctorReport, out: TextIO) -> None:
+    w = out.write
+    w(f"hybrid-kv-plugin {report.plugin_version} on vLLM {report.vllm_version}\n")
+    w(f"adapter: {report.adapter or '-'}\n")
+    w(f"status:  {report.status} ({report.reason})\n")
+    if report.features:
+        w("\nfeature                                                  support      reason\n")
+        for f in report.features:
+            w(f"{f['title']:<56} {f['support']:<12} {f['reason']}\n")
+    if report.patches:
+        w("\npatches installed by register():\n")
+        for p in report.patches:
+            w(f"  {p['name']}: {p['target']}\n      why: {p['why']}; upstream: {p['upstream']}; removed in: {p['removed_in']}\n")
+
+
+def run_doctor(json_output: bool = False, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    report = collect()
+    if json_output:
+        payload: dict[str, Any] = asdict(report)
+        out.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        render(report, out)
+    return 0 if report.status in ("active", "disabled") else 1

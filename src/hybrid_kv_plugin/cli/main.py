@@ -1,0 +1,28 @@
+"""``hybrid-kv``: ``doctor`` (what the plugin does on this vLLM) and, as features land, more."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-kv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="vLLM version, adapter, and per-feature native/backport/unavailable")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from hybrid_kv_plugin.cli.doctor import run_doctor
+
+        return run_doctor(json_output=args.json)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

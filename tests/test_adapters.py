@@ -1,0 +1,79 @@
+"""The adapter layer: version detection, family selection, and the capability table per wheel."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_kv_plugin.adapters import ADAPTERS, Feature, Support, adapter_for_family, parse_release, select_adapter
+from hybrid_kv_plugin.adapters.detect import InstalledVllm, probe_family
+
+N, B, U = Support.NATIVE, Support.BACKPORT, Support.UNAVAILABLE
+# (fine-grained CPU hits, junction checkpoint, NIXL slot pairing) per supported wheel.
+CAPABILITY_TABLE = {
+    "0.26.0": (U, B, B),
+    "0.27.1": (U, B, N),
+    "0.28.0": (U, B, N),
+    "0.29.0": (B, B, N),
+    "0.30.0": (N, N, N),
+    "0.31.0": (N, N, N),
+    "0.32.0": (N, N, N),
+    "0.33.0": (N, N, N),
+}
+FEATURES = (Feature.FINE_GRAINED_CPU_HITS, Feature.MAMBA_JUNCTION_CHECKPOINT, Feature.NIXL_SSM_SLOT_PAIRING)
+
+
+@pytest.mark.parametrize(
+    ("raw", "release"),
+    [
+        ("0.29.0", (0, 29, 0)),
+        ("0.29.1+cpu", (0, 29, 1)),
+        ("0.33.0rc1", (0, 33, 0)),
+        ("0.33.1.dev12+gabc123", (0, 33, 1)),
+        ("0.30", (0, 30, 0)),
+        ("dev", None),
+        ("", None),
+    ],
+)
+def test_parse_release(raw, release):
+    assert parse_release(raw) == release
+
+
+def test_every_family_has_exactly_one_adapter():
+    families = [family for cls in ADAPTERS for family in cls.families]
+    assert families == [(0, 26), (0, 27), (0, 28), (0, 29), (0, 30), (0, 31), (0, 32), (0, 33)]
+    tested = [wheel for cls in ADAPTERS for wheel in cls.tested_wheels]
+    assert tested == list(CAPABILITY_TABLE)
+
+
+@pytest.mark.parametrize("wheel", list(CAPABILITY_TABLE))
+def test_capability_table(wheel):
+    adapter = adapter_for_family(parse_release(wheel)[:2], wheel)
+    assert tuple(adapter.verdict(f).support for f in FEATURES) == CAPABILITY_TABLE[wheel]
+    for verdict in adapter.verdicts():
+        assert verdict.reason, f"{wheel} {verdict.feature} has no reason"
+
+
+def test_installed_wheel_selects_its_family(adapter):
+    assert adapter.version in CAPABILITY_TABLE
+    assert parse_release(adapter.version)[:2] in type(adapter).families
+
+
+def test_dev_build_is_identified_by_feature_probes(adapter):
+    """A build reporting "dev" gets the same adapter as its release, found by probing vLLM itself."""
+    assert probe_family() == parse_release(adapter.version)[:2]
+    selection = select_adapter(InstalledVllm("dev", None))
+    assert type(selection.adapter) is type(adapter)
+    assert selection.reason == "vLLM dev via feature probes (the version string carries no release number)"
+
+
+@pytest.mark.parametrize("raw", ["0.25.1", "0.34.0"])
+def test_outside_range_selects_nothing(raw):
+    selection = select_adapter(InstalledVllm(raw, parse_release(raw)))
+    assert selection.adapter is None
+    assert selection.reason == f"vLLM {raw} is outside the supported range >=0.26.0,<0.34.0"
+
+
+def test_fine_grained_refusal_names_minimum_wheel():
+    verdict = adapter_for_family((0, 27), "0.27.1").verdict(Feature.FINE_GRAINED_CPU_HITS)
+    assert verdict.support is U
+    assert "needs vLLM >= 0.29.0" in verdict.reason
