@@ -17,13 +17,14 @@ class DoctorReport:
     adapter: str | None
     features: list[dict[str, str]] = field(default_factory=list)
     patches: list[dict[str, str]] = field(default_factory=list)
+    serve_check: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == "active"
 
 
-def collect() -> DoctorReport:
+def collect(serve_args: list[str] | None = None) -> DoctorReport:
     """Run the same decision ``register()`` makes, without patching anything."""
     from hybrid_kv_plugin import __version__
     from hybrid_kv_plugin.adapters import select_adapter
@@ -58,6 +59,10 @@ def collect() -> DoctorReport:
         report.reason = "; ".join(str(m) for m in mismatches) + f"; supported vLLM {SUPPORTED_RANGE}"
     elif plugin_disabled():
         report.status, report.reason = "disabled", f"{ENV_DISABLE} is set"
+    if serve_args:
+        from hybrid_kv_plugin.cli.serve_args import check_serve_args
+
+        report.serve_check = asdict(check_serve_args(serve_args, adapter))
     return report
 
 
@@ -74,14 +79,26 @@ def render(report: DoctorReport, out: TextIO) -> None:
         w("\npatches installed by register():\n")
         for p in report.patches:
             w(f"  {p['name']}: {p['target']}\n      why: {p['why']}; upstream: {p['upstream']}; removed in: {p['removed_in']}\n")
+    if report.serve_check is not None:
+        check = report.serve_check
+        w("\nvllm serve arguments: " + ("INVALID" if check["errors"] else "ok") + "\n")
+        for line in check["errors"]:
+            w(f"  error: {line}\n")
+        for line in check["notes"]:
+            w(f"  note: {line}\n")
+        if not check["errors"]:
+            w(f"  reuse granularity: {check['reuse_granularity']} tokens; "
+              f"minimum cacheable prefix: {check['min_cacheable_prefix']} tokens\n")
 
 
-def run_doctor(json_output: bool = False, out: TextIO | None = None) -> int:
+def run_doctor(json_output: bool = False, out: TextIO | None = None, serve_args: list[str] | None = None) -> int:
     out = out or sys.stdout
-    report = collect()
+    report = collect(serve_args)
     if json_output:
         payload: dict[str, Any] = asdict(report)
         out.write(json.dumps(payload, indent=2) + "\n")
     else:
         render(report, out)
+    if report.serve_check is not None and report.serve_check["errors"]:
+        return 2
     return 0 if report.status in ("active", "disabled") else 1

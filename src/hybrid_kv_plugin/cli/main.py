@@ -13,6 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="vLLM version, adapter, and per-feature native/backport/unavailable")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "serve_args", nargs=argparse.REMAINDER, help="after --: a vllm serve command line to validate"
+    )
     from hybrid_kv_plugin.cli.replay import add_arguments
 
     replay = sub.add_parser("replay", help="replay a workload on the real vLLM scheduler: stock vs plugin")
@@ -27,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         from hybrid_kv_plugin.cli.doctor import run_doctor
 
-        return run_doctor(json_output=args.json)
+        serve_args = [a for a in args.serve_args if a != "--"] or None
+        return run_doctor(json_output=args.json, serve_args=serve_args)
     if args.command == "replay":
         from hybrid_kv_plugin.cli.replay import run_replay_command
 
