@@ -47,14 +47,19 @@ def probe_family() -> tuple[int, int] | None:
     newest matching family wins.
     """
     import dataclasses
+    import inspect
 
     try:
         from vllm.config import CacheConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector import utils as connector_utils
+        from vllm.v1.core import kv_cache_coordinator
     except Exception:
         return None
     cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
     if "enable_mamba_shared_prefix_checkpoint" in cache_fields:
-        return (0, 33) if hasattr(VllmConfig, "num_hash_lookahead_tokens") else (0, 31)
+        if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
+            return (0, 33)
+        return (0, 32) if hasattr(connector_utils, "clip_ssm_state_blocks") else (0, 31)
     if "enable_mamba_fine_grained_prefix_cache" in cache_fields:
         return (0, 30)
     try:
@@ -63,6 +68,9 @@ def probe_family() -> tuple[int, int] | None:
         pass
     else:
         return (0, 29)
+    coordinator_params = inspect.signature(kv_cache_coordinator.get_kv_cache_coordinator).parameters
+    if "num_prefill_lookahead" in coordinator_params:
+        return (0, 28)
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler
     except Exception:

@@ -1,0 +1,54 @@
+"""Patch ``NixlBaseConnectorScheduler._build_save_meta``: keep Mamba ids whole on the host-buffer save path.
+
+Why: with ``kv_buffer_device="cpu"`` the prefill scheduler tells its workers,
+step by step, which newly allocated blocks to stage into the host buffer. It
+trims those lists with the same method as the block-id exchange points,
+which ``nixl_exchange_clip`` makes strip Mamba scratch slots. A step's list
+is only what that step *added*, not a whole table, so stripping "trailing
+scratch" there would drop real state blocks from the host buffer.
+
+What it changes: the stock method runs unchanged inside
+:func:`hybrid_kv_plugin.nixl.per_step_lists`, where the exchange clip applies
+the sliding-window trim only (the behaviour of stock 0.26 and of vLLM 0.27's
+``clip_ssm=False``).
+
+Upstream: vLLM 0.27.0 passes ``clip_ssm=False`` from this path to
+``get_exchange_clipped_blocks``. First version where the plugin no longer
+installs this patch: 0.27.0 (installed together with ``nixl_exchange_clip``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.nixl import per_step_lists
+from hybrid_kv_plugin.patches.nixl_exchange_clip import SCHEDULER_MODULE, backport_spec
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+    from hybrid_kv_plugin.patching import PatchSpec
+
+TARGET = f"{SCHEDULER_MODULE}:NixlBaseConnectorScheduler._build_save_meta"
+PARAMS = ("self", "meta", "scheduler_output")
+
+
+def spec(adapter: VllmAdapter) -> PatchSpec:
+    return backport_spec(
+        "nixl_save_meta",
+        TARGET,
+        PARAMS,
+        ("get_sw_clipped_blocks",),
+        _wrap,
+        why="the per-step host-buffer save lists are partial; the Mamba exchange clip must not strip them",
+        upstream="get_exchange_clipped_blocks(clip_ssm=False) on the save path",
+    )
+
+
+def _wrap(original: Any) -> Any:
+    @functools.wraps(original)
+    def _build_save_meta(self: Any, meta: Any, scheduler_output: Any) -> Any:
+        with per_step_lists():
+            return original(self, meta, scheduler_output)
+
+    return _build_save_meta
