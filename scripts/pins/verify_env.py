@@ -190,6 +190,7 @@ def main() -> int:
 
     mc = build("ModelConfig(tiny qwen3-next)", model_config)
     if mc is None:
+        print(f"RESULT FAIL {', '.join(failures)}", flush=True)
         return 1
     print(f"info architectures={mc.architectures} is_hybrid="
           f"{getattr(mc, 'is_hybrid', '?')} max_model_len={mc.max_model_len}",
