@@ -79,8 +79,13 @@ def test_uninstall_restores_every_original(no_plugin, adapter):
     assert registration.STATE.status == "unregistered"
 
 
-def test_real_scheduler_builds_with_plugin_connector(plugin, make_engine):
-    engine = make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22})
+def test_real_scheduler_builds_with_plugin_connector(plugin, make_engine, adapter):
+    from hybrid_kv_plugin.adapters import Feature
+
+    extra = {"cpu_bytes_to_use": 1 << 22}
+    if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
+        extra["fine_grained_hits"] = False  # 0.26-0.28 refuse fine-grained mode for a hybrid model
+    engine = make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config=extra)
     assert type(engine.connector).__name__ == "HybridSimpleCPUConnector"
     assert engine.scheduler.hybrid_kv_config.mamba_shared_prefix_checkpoint is False
     engine.run([("a", tokens(320))], max_tokens=4)

@@ -131,6 +131,8 @@ def connector_options_from(
     if extra_config is not None and not isinstance(extra_config, Mapping):
         return _validate(ConnectorOptions, "kv_connector_extra_config", extra_config)
     ours = {k: v for k, v in (extra_config or {}).items() if k not in stock_keys}
+    if problems := stock_key_problems(extra_config or {}, stock_keys):
+        raise PluginConfigError("invalid hybrid-kv-plugin configuration: " + "; ".join(problems))
     try:
         return ConnectorOptions.model_validate(ours)
     except ValidationError as err:
@@ -146,3 +148,34 @@ def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
         return bool(env_flag(ENV_DISABLE, environ))
     except PluginConfigError:
         return True
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value == int(value)
+
+
+# The wheel's SimpleCPU reads these keys with bare bool()/int()/str() conversions, so a
+# mistyped value does not fail: "lazy_offload": "false" turns lazy offload *on*, a
+# cpu_bytes_to_use of 0 silently sizes a one-block CPU pool. The plugin's connector
+# checks what it passes through; keys this wheel does not read are not in stock_keys.
+_STOCK_KEY_RULES: dict[str, tuple[str, Any]] = {
+    "cpu_bytes_to_use": ("a positive integer", _positive_number),
+    "cpu_bytes_to_use_per_rank": ("a positive integer", _positive_number),
+    "disk_capacity_bytes": ("a positive integer", _positive_number),
+    "disk_buffer_slots": ("a positive integer", _positive_number),
+    "num_cpu_blocks": ("a positive integer or null", lambda v: v is None or _positive_number(v)),
+    "lazy_offload": ("true or false", lambda v: isinstance(v, bool)),
+    "use_page_cache": ("true or false", lambda v: isinstance(v, bool)),
+    "kv_offload_backend": ("a string", lambda v: isinstance(v, str)),
+    "disk_path": ("a string or null", lambda v: v is None or isinstance(v, str)),
+}
+
+
+def stock_key_problems(extra_config: Mapping[str, Any], stock_keys: frozenset[str]) -> list[str]:
+    """One line per stock SimpleCPU key of this wheel whose value vLLM would misread."""
+    problems = []
+    for key in sorted(stock_keys & set(extra_config)):
+        allowed, ok = _STOCK_KEY_RULES.get(key, ("", None))
+        if ok is not None and not ok(extra_config[key]):
+            problems.append(f"kv_connector_extra_config.{key}: got {extra_config[key]!r} (allowed: {allowed})")
+    return problems

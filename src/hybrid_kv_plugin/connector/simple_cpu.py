@@ -1,9 +1,12 @@
 """The connector users name in ``--kv-transfer-config``: ``HybridSimpleCPUConnector``.
 
 It is the wheel's own ``SimpleCPUOffloadConnector`` plus what the plugin offers on
-every wheel: validated options (``kv_connector_extra_config``), and the
-fine-grained hybrid hit behaviour of vLLM PR #54736, native on 0.30+ and brought
-by the adapter layer elsewhere. Being a subclass, it inherits ``SupportsHMA``,
+every wheel: validated options (``kv_connector_extra_config``), the fine-grained
+hybrid hit behaviour of vLLM PR #54736 (native on 0.30+, backported on 0.29,
+refused with one message on 0.26-0.28 unless ``"fine_grained_hits": false``),
+``get_boundary_store_stats()`` with the same fields everywhere, and the
+``vllm:simple_kv_offload_save_outcomes_total`` Prometheus series on wheels that
+do not export it (0.29, 0.30). Being a subclass, it inherits ``SupportsHMA``,
 which vLLM requires of any connector used with the hybrid KV-cache manager.
 """
 
@@ -16,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from hybrid_kv_plugin.config import connector_options_from
+from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
+from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
 from hybrid_kv_plugin.registration import current_adapter
 
 
@@ -25,4 +30,86 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.hybrid_kv_options = connector_options_from(extra, adapter.simplecpu_stock_keys)
         self.hybrid_kv_adapter = adapter
+        # Raises (one message naming the wheel it needs) before anything is allocated.
+        self.offload_mode = choose_mode(adapter, self.hybrid_kv_options, vllm_config, kv_cache_config)
+        # Worker side on wheels whose runner skips wait_for_save() on steps without a
+        # forward pass: stores queued when a request finished would never be sent.
+        self._submit_on_clear = (
+            self.offload_mode is OffloadMode.BACKPORT and not adapter.simplecpu_worker_submits_without_forward
+        )
+        self._stores_submitted = True
+        self._outcomes_reported = BoundaryStoreStats()
         super().__init__(vllm_config, role, kv_cache_config)
+        if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:
+            from hybrid_kv_plugin.offload.backport import FineGrainedOffloadScheduler
+
+            self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
+
+    # ------------------------------------------------------------------ worker side
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._stores_submitted = False
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        self._stores_submitted = True
+
+    def clear_connector_metadata(self) -> None:
+        if self._submit_on_clear and not self._stores_submitted and self.worker_handler is not None:
+            # A step without a forward pass binds metadata and clears it without ever
+            # calling wait_for_save(); submit its stores here (vLLM 0.30 does the same
+            # inside its worker).
+            super().wait_for_save()
+        self._stores_submitted = True
+        super().clear_connector_metadata()
+
+    # ------------------------------------------------------------------ scheduler side
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while queued or in-flight stores remain (0.30+ does so natively)."""
+        if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:
+            return bool(self.scheduler_manager.has_pending_stores())
+        return bool(super().has_pending_push_work())
+
+    def get_boundary_store_stats(self) -> BoundaryStoreStats:
+        """Cumulative Mamba boundary-store outcomes (zeros where nothing consumes the hand-offs)."""
+        manager = getattr(self, "scheduler_manager", None)
+        if manager is None:
+            return BoundaryStoreStats()
+        if self.offload_mode is OffloadMode.BACKPORT:
+            return manager.get_boundary_store_stats()
+        if self.offload_mode is OffloadMode.NATIVE:
+            return BoundaryStoreStats.from_native(super().get_boundary_store_stats())
+        return BoundaryStoreStats()
+
+    def _outcome_growth(self) -> dict[StoreOutcome, int]:
+        current = self.get_boundary_store_stats()
+        growth = current.minus(self._outcomes_reported)
+        self._outcomes_reported = current
+        return growth
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.hybrid_kv_adapter.has_native_simplecpu_metrics:
+            return super().get_kv_connector_stats()
+        growth = self._outcome_growth()
+        if not growth:
+            return None
+        from hybrid_kv_plugin.offload.metrics import OffloadOutcomeStats
+
+        return OffloadOutcomeStats.of(growth)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if current_adapter().has_native_simplecpu_metrics:
+            return super().build_kv_connector_stats(data)
+        from hybrid_kv_plugin.offload.metrics import OffloadOutcomeStats
+
+        return OffloadOutcomeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
+        """(vllm_config, metric_types, labelnames, per_engine_labelvalues), as vLLM passes them."""
+        if current_adapter().has_native_simplecpu_metrics:
+            return super().build_prom_metrics(*args, **kwargs)
+        from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics
+
+        return OffloadOutcomePromMetrics(*args, **kwargs)

@@ -1,0 +1,523 @@
+"""The scheduler side of ``HybridSimpleCPUConnector`` on vLLM 0.29: fine-grained hybrid hits, backported.
+
+vLLM PR #54736 (native from 0.30.0) lets SimpleCPU offload serve prefix hits that
+end on a hash boundary inside a Mamba block for hybrid attention + Mamba
+``align`` models. Stock 0.29 already publishes what it needs (the Mamba boundary
+hand-offs in ``scheduler_output.kv_connector_block_state``) but its SimpleCPU
+scheduler ignores them, scans Mamba block tables positionally, and places loads
+assuming every group has the same block size; on the hybrid workload this
+reconciles most CPU hits to zero.
+
+:class:`FineGrainedOffloadScheduler` subclasses the wheel's
+``SimpleCPUOffloadScheduler`` and replaces the parts that differ:
+
+* geometry: per-group block sizes come from the coordinator's managers (DCP only
+  scales the groups it shards); lazy offload keeps CPU hits on scheduler blocks;
+* lookup/load: a local prefix that is not scheduler-block aligned skips the
+  external lookup (one warning); the pending hit remembers that prefix, and each
+  group loads ``cdiv(external, group block)`` blocks placed from
+  ``local // group block``;
+* store: Mamba ``align`` groups are never scanned positionally; their blocks come
+  from the boundary hand-offs, each with an admission decision and a counter;
+  attention groups are scanned up to the last hash boundary that a lookup can
+  land on; the full-attention partial tail is stored once when the request
+  finishes, together with the confirmed blocks it had left;
+* completion: the CPU copy becomes findable under the keys its GPU source carried
+  when the store was *staged* (registered with ``BlockPool._insert_block_hash``
+  only now, never stamped beforehand: that method silently skips a block that
+  already carries the key, which would leave the copy unfindable).
+
+The connector adopts the object the stock connector constructs (see
+:meth:`FineGrainedOffloadScheduler.adopt`), so the wheel's own option parsing
+and CPU pool sizing stay in charge and nothing in vLLM is patched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import (
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+from vllm.v1.simple_kv_offload.manager import (
+    LoadRequestState,
+    SimpleCPUOffloadScheduler,
+    StoreRequestState,
+    TransferMeta,
+)
+
+from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+_log = logging.getLogger("vllm.hybrid_kv_plugin")
+
+# A prefix-cache key a CPU copy will be findable under: (hash with group id, the
+# prefix length it stands for, or None for a secondary key of the same block).
+CacheKey = tuple[Any, "int | None"]
+
+
+class PendingCpuHit(NamedTuple):
+    """A CPU hit pinned between ``get_num_new_matched_tokens`` and ``update_state_after_alloc``."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+    tokens: int
+    # The local (GPU) prefix the hit was resolved against: loads are placed after it.
+    local_tokens: int
+
+
+@dataclass(frozen=True)
+class StagedBlock:
+    """One GPU block chosen for offload, with what its copy will be registered under."""
+
+    gpu_block_id: int
+    keys: tuple[CacheKey, ...]
+    # Token ids the block covers, kept only for KV events of positional blocks.
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StoreBatch:
+    """Blocks staged for one store event; ``cpu_block_ids`` is filled by the allocation."""
+
+    room: int = 0  # CPU blocks the batch may take (the pool's free count when it started)
+    blocks: list[StagedBlock] = field(default_factory=list)
+    cpu_block_ids: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    # Primary keys already staged: a second GPU copy of the same content is not stored.
+    keys: set[Any] = field(default_factory=set)
+
+    @property
+    def gpu_block_ids(self) -> list[int]:
+        return [b.gpu_block_id for b in self.blocks]
+
+    @property
+    def full(self) -> bool:
+        return len(self.blocks) >= self.room
+
+    def absorb(self, other: StoreBatch) -> None:
+        self.blocks.extend(other.blocks)
+        self.cpu_block_ids.extend(other.cpu_block_ids)
+
+
+class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
+    """``SimpleCPUOffloadScheduler`` of vLLM 0.29 with the fine-grained hybrid behaviour of vLLM 0.30."""
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def adopt(cls, stock: SimpleCPUOffloadScheduler, adapter: Any) -> FineGrainedOffloadScheduler:
+        """Turn the scheduler the stock connector just built into this class, in place.
+
+        The stock connector constructs its scheduler by a module-level name with
+        wheel-specific arguments (capacity, disk tier, lazy mode) and exposes no
+        factory; re-classing that object keeps all of that wheel logic, allocates the
+        CPU pool once, and patches nothing. This class only adds state and overrides
+        methods, so the instance layout is unchanged.
+        """
+        if not isinstance(stock, SimpleCPUOffloadScheduler):
+            raise TypeError(f"cannot adopt {type(stock).__name__}")
+        stock.__class__ = cls
+        assert isinstance(stock, FineGrainedOffloadScheduler)
+        stock._init_fine_grained(adapter)
+        return stock
+
+    def _init_fine_grained(self, adapter: Any) -> None:
+        coordinator = self.cpu_coordinator
+        self.group_block_sizes: tuple[int, ...] = adapter.offload_group_block_sizes(coordinator)
+        self.fa_block_size = self.group_block_sizes[self.fa_gidx]
+        # Groups whose block table a monotonically advancing cursor can follow.
+        self._positional = tuple(adapter.offload_positionally_stable(m) for m in coordinator.single_type_managers)
+        if self._lazy_mode:
+            # Lazy stores never include the boundary hand-offs or the attention
+            # partial tail, so a hit inside a Mamba block could not be served whole:
+            # keep CPU hits on the scheduler block.
+            _scheduler_block_hits_only(coordinator)
+            self._target_free = self._lazy_watermark()
+        self._finish_batches: list[StoreBatch] = []
+        self._staged_for_event: list[StagedBlock] = []
+        self._event_blocks: dict[int, list[StagedBlock]] = {}
+        self.boundary_store_stats = BoundaryStoreStats()
+        self._stats_drained = BoundaryStoreStats()
+
+    def _lazy_watermark(self) -> int:
+        """GPU blocks the lazy cursor keeps offloaded ahead of eviction, from the resolved group sizes."""
+        budget = self.vllm_config.scheduler_config.max_num_batched_tokens
+        per_step = 0
+        for group, size in zip(self.cpu_kv_cache_config.kv_cache_groups, self.group_block_sizes):
+            spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                per_step += 2  # the running state and the one being replaced
+            elif isinstance(spec, SlidingWindowSpec):
+                per_step += cdiv(spec.sliding_window, size) + 1
+            else:
+                per_step += cdiv(budget, size)
+        return 2 * per_step  # same headroom factor as the stock estimate
+
+    # ------------------------------------------------------------------ lookup and load
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if (stale := self._pending_cpu_hits.pop(request.request_id, None)) is not None:
+            self._free_pending_cpu_hit(stale)
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        if num_computed_tokens % self.block_size:
+            # Loads copy whole blocks, so an external suffix cannot begin inside a
+            # destination block; keep the local hit and skip the CPU tier.
+            log_once(
+                logging.WARNING,
+                "hybrid-kv-plugin: SimpleCPU skips the CPU lookup when the local prefix (%d tokens here) "
+                "is not a multiple of the scheduler block size %d",
+                num_computed_tokens,
+                self.block_size,
+            )
+            return 0, False
+        remaining = request.block_hashes[num_computed_tokens // self.hash_block_size :]
+        # The last prompt token is always recomputed (it produces the logits).
+        limit = request.num_tokens - 1 - num_computed_tokens
+        if not remaining or limit <= 0:
+            return 0, False
+        blocks, hit_tokens, *_ = self.cpu_coordinator.find_longest_cache_hit(remaining, limit)
+        if hit_tokens <= 0:
+            return 0, False
+        self.cpu_block_pool.touch([b for group in blocks for b in group if not b.is_null])
+        self._pending_cpu_hits[request.request_id] = PendingCpuHit(blocks, hit_tokens, num_computed_tokens)
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        table = blocks.get_block_ids()
+        if not self._lazy_mode and req_id not in self._reqs_to_store:
+            self._reqs_to_store[req_id] = StoreRequestState(
+                request=request, block_ids=tuple([] for _ in table), num_stored_blocks=[0] * len(table)
+            )
+        pending = self._pending_cpu_hits.pop(req_id, None)
+        if num_external_tokens == 0 or pending is None:
+            if pending is not None:
+                self._free_pending_cpu_hit(pending)
+            elif num_external_tokens:
+                _log.warning(
+                    "hybrid-kv-plugin: request %s was granted %d external tokens without a pending CPU hit; "
+                    "nothing is loaded",
+                    req_id,
+                    num_external_tokens,
+                )
+            return
+        assert pending.local_tokens % self.block_size == 0, "a CPU load must start on a scheduler block"
+        assert num_external_tokens % self.hash_block_size == 0, (
+            f"{num_external_tokens} external tokens are not a multiple of the hash block {self.hash_block_size}"
+        )
+        gpu_ids: list[int] = []
+        sources: list[KVCacheBlock] = []
+        for g, size in enumerate(self.group_block_sizes):
+            # A fine-grained hit may end inside this group's last block: round up.
+            wanted = cdiv(num_external_tokens, size)
+            first_slot = pending.local_tokens // size
+            for offset, cpu_block in enumerate(pending.blocks[g][:wanted]):
+                if cpu_block.is_null:  # a Mamba state that is not needed, or padding
+                    continue
+                gpu_ids.append(table[g][first_slot + offset])
+                sources.append(cpu_block)
+        self.cpu_block_pool.touch(sources)
+        self._free_pending_cpu_hit(pending)
+        assert self._gpu_block_pool is not None
+        self._gpu_block_pool.touch([self._gpu_block_pool.blocks[i] for i in gpu_ids])
+        assert req_id not in self._reqs_to_load
+        self._reqs_to_load[req_id] = LoadRequestState(
+            request=request, transfer_meta=TransferMeta(gpu_ids, [b.block_id for b in sources])
+        )
+
+    def _free_pending_cpu_hit(self, pending: Any) -> None:
+        pinned = [b for group in pending[0] for b in group if not b.is_null]
+        if pinned:
+            self.cpu_block_pool.free_blocks(pinned)
+
+    # ------------------------------------------------------------------ choosing what to store
+    def _admission(self, block: KVCacheBlock, batch: StoreBatch) -> StoreOutcome:
+        """The outcome a store candidate gets; STORED means it may be copied."""
+        if block.is_null:
+            return StoreOutcome.DROPPED_NULL_BLOCK
+        if block.block_hash is None:
+            return StoreOutcome.DROPPED_NOT_HASHED
+        if block.block_id in self._in_flight_store_gpu_blocks:
+            return StoreOutcome.SKIPPED_IN_FLIGHT
+        cached = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(block.block_hash)
+        if cached is not None or block.block_hash in batch.keys:
+            return StoreOutcome.SKIPPED_ALREADY_CACHED
+        return StoreOutcome.STORED
+
+    def _keys_of(self, block: KVCacheBlock) -> tuple[CacheKey, ...]:
+        """Every prefix-cache key the GPU block answers to right now (primary first)."""
+        assert self._gpu_block_pool is not None
+        secondary = self._gpu_block_pool.cached_block_hashes_by_block.get(block.block_id, ())
+        return ((block.block_hash, block.block_hash_num_tokens), *((key, None) for key in secondary))
+
+    def _stage(self, batch: StoreBatch, block: KVCacheBlock, tokens: Sequence[int] = ()) -> None:
+        batch.blocks.append(StagedBlock(block.block_id, self._keys_of(block), tuple(tokens)))
+        batch.keys.add(block.block_hash)
+        # Claim it now, so a second request sharing this block does not stage it again.
+        self._in_flight_store_gpu_blocks.add(block.block_id)
+
+    def _scan_confirmed(self, state: StoreRequestState, table: Sequence[Sequence[int]], batch: StoreBatch) -> list[int]:
+        """Stage confirmed blocks of the positionally stable groups; returns the per-group cursor advance."""
+        assert self._gpu_block_pool is not None
+        request = state.request
+        advanced = [0] * len(table)
+        confirmed = request.num_computed_tokens - request.num_output_placeholders
+        # Store up to the finest boundary a lookup can land on: with fine-grained hits
+        # that is the hash block; stopping at the scheduler block would drop attention
+        # blocks that a Mamba boundary hand-off makes reachable.
+        unit = self.hash_block_size if self.cpu_coordinator.enable_partial_hash_hits else self.block_size
+        reachable = confirmed // unit * unit
+        with_tokens = self.enable_kv_cache_events
+        for g, ids in enumerate(table):
+            if not self._positional[g]:
+                continue
+            size = self.group_block_sizes[g]
+            for index in range(state.num_stored_blocks[g], min(len(ids), reachable // size)):
+                block = self._gpu_block_pool.blocks[ids[index]]
+                if self._admission(block, batch) is StoreOutcome.STORED:
+                    if batch.full:
+                        return advanced  # out of CPU space: retry from here next step
+                    tokens = request.all_token_ids[index * size : (index + 1) * size] if with_tokens else ()
+                    self._stage(batch, block, tokens)
+                advanced[g] += 1
+        return advanced
+
+    def _take_boundary_handoffs(self, scheduler_output: Any, batch: StoreBatch) -> None:
+        """Admit (or count the refusal of) every Mamba boundary hand-off of this step."""
+        assert self._gpu_block_pool is not None
+        block_state = scheduler_output.kv_connector_block_state
+        handoffs = block_state.boundary_state_offloads if block_state is not None else {}
+        leaving = set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids)
+        stats = self.boundary_store_stats
+        for req_id, entries in handoffs.items():
+            state = self._reqs_to_store.get(req_id)
+            # Hand-offs are not filtered by liveness: a request that is leaving gives its
+            # blocks back, and another request may already write them.
+            if state is None or state.finished or req_id in leaving:
+                stats.count(StoreOutcome.DROPPED_REQUEST_GONE, len(entries))
+                continue
+            took_any = False
+            for _group, gpu_block_id, _boundary_tokens in entries:
+                block = self._gpu_block_pool.blocks[gpu_block_id]
+                outcome = self._admission(block, batch)
+                if outcome is StoreOutcome.STORED and batch.full:
+                    outcome = StoreOutcome.DROPPED_CPU_FULL
+                    log_once(
+                        logging.WARNING,
+                        "hybrid-kv-plugin: SimpleCPU dropped a Mamba boundary hand-off: the CPU pool is full "
+                        "(that boundary is not retried)",
+                    )
+                if outcome is StoreOutcome.STORED:
+                    self._stage(batch, block)
+                    took_any = True
+                stats.count(outcome)
+            if took_any:
+                batch.req_ids.append(req_id)
+
+    def _collect_eager(self, scheduler_output: Any) -> StoreBatch:
+        batch = StoreBatch(room=self.cpu_block_pool.get_num_free_blocks())
+        if self._gpu_block_pool is None:
+            return batch
+        self._take_boundary_handoffs(scheduler_output, batch)
+        for req_id, new_ids, resumed in yield_req_data(scheduler_output):
+            state = self._reqs_to_store.get(req_id)
+            if state is None or state.finished:
+                continue
+            if resumed:  # preempted and rescheduled: the block table starts over
+                state.block_ids = tuple([] for _ in state.block_ids)
+                state.num_stored_blocks = [0] * len(state.block_ids)
+            for g, ids in enumerate(new_ids or ()):
+                if ids is not None and g < len(state.block_ids):
+                    state.block_ids[g].extend(ids)
+            if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
+                continue
+            before = len(batch.blocks)
+            advanced = self._scan_confirmed(state, state.block_ids, batch)
+            state.num_stored_blocks = [n + a for n, a in zip(state.num_stored_blocks, advanced)]
+            if len(batch.blocks) > before and req_id not in batch.req_ids:
+                batch.req_ids.append(req_id)
+        return batch
+
+    def _collect_lazy(self) -> StoreBatch:
+        """Offload hashed GPU blocks that are next in line for eviction (walks the free queue)."""
+        batch = StoreBatch(room=self.cpu_block_pool.get_num_free_blocks())
+        pool = self._gpu_block_pool
+        if pool is None or self._target_free <= 0:
+            return batch
+        if self._cursor is not None and self._cursor.ref_cnt > 0:
+            self._cursor = None  # the cursor block left the free queue
+        last = self._cursor
+        for seen, block in enumerate(pool.free_block_queue.iter_blocks_after(self._cursor)):
+            if seen >= self._target_free or batch.full:
+                break
+            last = block
+            if not block.is_null and self._admission(block, batch) is StoreOutcome.STORED:
+                self._stage(batch, block)
+        self._cursor = last
+        return batch
+
+    def _allocate(self, batch: StoreBatch) -> StoreBatch:
+        """Give every staged block a CPU destination and hold its GPU source until the copy completes."""
+        if batch.blocks:
+            assert self._gpu_block_pool is not None
+            batch.cpu_block_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(batch.blocks))]
+            self._gpu_block_pool.touch([self._gpu_block_pool.blocks[i] for i in batch.gpu_block_ids])
+        return batch
+
+    def prepare_store_specs(self, scheduler_output: Any) -> tuple[list[int], list[int], list[str]]:
+        batch = self._allocate(self._collect_lazy() if self._lazy_mode else self._collect_eager(scheduler_output))
+        # Stores queued when a request finished ride along with this step's event.
+        for finished in self._finish_batches:
+            batch.absorb(finished)
+        self._finish_batches.clear()
+        self._staged_for_event = batch.blocks
+        return batch.gpu_block_ids, batch.cpu_block_ids, batch.req_ids
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)  # calls prepare_store_specs
+        staged, self._staged_for_event = self._staged_for_event, []
+        if meta.store_event >= 0:
+            self._event_blocks[meta.store_event] = staged
+        return meta
+
+    # ------------------------------------------------------------------ request finish
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
+        self._stage_finish_store(request, block_ids)
+        return self.request_finished(request, block_ids=[])
+
+    def _stage_finish_store(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
+        """Queue the confirmed blocks the per-step scan had not reached, plus the attention partial tail."""
+        state = self._reqs_to_store.get(request.request_id)
+        if state is None or self._gpu_block_pool is None:
+            return
+        batch = StoreBatch(room=self.cpu_block_pool.get_num_free_blocks())
+        self._scan_confirmed(state, block_ids, batch)
+        tail = self._attention_partial_tail(request, block_ids)
+        # Decode may have filled the tail block, in which case the scan above already
+        # staged it (and marked it in flight): never copy one GPU block twice.
+        if tail is not None and tail.block_id not in batch.gpu_block_ids and not batch.full:
+            self._stage(batch, tail)
+        if batch.blocks:
+            self._finish_batches.append(self._allocate(batch))
+
+    def _attention_partial_tail(self, request: Any, block_ids: Sequence[Sequence[int]]) -> KVCacheBlock | None:
+        """The full-attention block holding the prompt's last hash boundary, when that boundary is inside it.
+
+        The GPU manager registers that boundary as a partial key on the block; the
+        positional scan only copies whole blocks, so without this the Mamba group
+        holds the boundary and attention does not, and the hybrid lookup drops to
+        the previous common boundary.
+        """
+        assert self._gpu_block_pool is not None
+        if not self.cpu_coordinator.enable_partial_hash_hits:
+            return None
+        boundary = request.num_prompt_tokens // self.hash_block_size * self.hash_block_size
+        if boundary == 0 or boundary > request.num_computed_tokens or boundary % self.fa_block_size == 0:
+            return None
+        ids = block_ids[self.fa_gidx]
+        index = boundary // self.fa_block_size
+        if index >= len(ids):
+            return None
+        block = self._gpu_block_pool.blocks[ids[index]]
+        if block.is_null or block.block_id in self._in_flight_store_gpu_blocks:
+            return None
+        key = make_block_hash_with_group_id(request.block_hashes[boundary // self.hash_block_size - 1], self.fa_gidx)
+        if key not in {k for k, _ in self._keys_of(block)}:
+            return None  # the GPU side did not register that boundary on this block
+        if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key) is not None:
+            return None
+        return block
+
+    # ------------------------------------------------------------------ completion
+    def _process_store_event(self, event_idx: int) -> None:
+        staged = self._event_blocks.pop(event_idx, None)
+        transfer = self._store_event_to_blocks.pop(event_idx, None)
+        if transfer is None:
+            abandoned = self._abandoned_store_event_to_blocks.pop(event_idx, None)
+            if abandoned is not None:  # the CPU cache was reset while it was copying
+                self._release_transfer_refs(abandoned)
+            return
+        self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+        self._publish(transfer, staged or [])
+        for req_id in self._store_event_to_reqs.pop(event_idx, []):
+            state = self._reqs_to_store.get(req_id)
+            if state is None:
+                continue
+            state.store_events.discard(event_idx)
+            if state.finished and not state.store_events:
+                self._cleanup_store_request(req_id)
+
+    def _publish(self, transfer: TransferMeta, staged: list[StagedBlock]) -> None:
+        """Make the copies findable under their sources' keys, then drop the transfer's references."""
+        assert len(staged) == len(transfer.cpu_block_ids) == len(transfer.gpu_block_ids)
+        cpu_pool = self.cpu_block_pool
+        cpu_blocks = [cpu_pool.blocks[i] for i in transfer.cpu_block_ids]
+        for cpu_block, record in zip(cpu_blocks, staged):
+            for key, num_tokens in record.keys:
+                cpu_pool._insert_block_hash(key, cpu_block, num_tokens=num_tokens)
+            if self.enable_kv_cache_events:
+                cpu_pool.kv_event_queue.extend(self._stored_events(record))
+        cpu_pool.free_blocks(cpu_blocks)  # cached, evictable
+        assert self._gpu_block_pool is not None
+        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[i] for i in transfer.gpu_block_ids)
+
+    def _stored_events(self, record: StagedBlock) -> Iterable[BlockStored]:
+        for key, num_tokens in record.keys:
+            group = get_group_id(key)
+            primary = num_tokens is not None
+            yield BlockStored(
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                parent_block_hash=None,
+                token_ids=list(record.token_ids) if primary else [],
+                block_size=self.group_block_sizes[group] if primary else self.hash_block_size,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+                group_idx=group,
+            )
+
+    # ------------------------------------------------------------------ housekeeping
+    def has_pending_stores(self) -> bool:
+        return bool(self._finish_batches) or super().has_pending_stores()
+
+    def reset(self) -> bool:
+        for batch in self._finish_batches:
+            self._in_flight_store_gpu_blocks.difference_update(batch.gpu_block_ids)
+            self._release_transfer_refs(TransferMeta(batch.gpu_block_ids, batch.cpu_block_ids))
+        self._finish_batches.clear()
+        done = super().reset()
+        self.boundary_store_stats = BoundaryStoreStats()
+        self._stats_drained = BoundaryStoreStats()
+        return done
+
+    def get_boundary_store_stats(self) -> BoundaryStoreStats:
+        return BoundaryStoreStats(**self.boundary_store_stats.as_dict())
+
+    def drain_outcome_growth(self) -> dict[StoreOutcome, int]:
+        """Outcome counts added since the previous call (what a metrics interval reports)."""
+        growth = self.boundary_store_stats.minus(self._stats_drained)
+        self._stats_drained = self.get_boundary_store_stats()
+        return growth
+
+    def store_metadata(self, event_idx: int) -> list[StagedBlock] | None:
+        """The per-block records of a store event that has not completed (index-parallel with its ids)."""
+        return self._event_blocks.get(event_idx)
+
+
+def _scheduler_block_hits_only(coordinator: Any) -> None:
+    """``allow_partial_hash_hits=False`` of vLLM 0.30 for a coordinator that is already built."""
+    coordinator.enable_partial_hash_hits = False
+    for manager in coordinator.single_type_managers:
+        manager.cache_hit_alignment_tokens = coordinator.scheduler_block_size

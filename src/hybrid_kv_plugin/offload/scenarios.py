@@ -1,0 +1,81 @@
+"""Small SimEngine scenarios for SimpleCPU offload, shared by the tests, the example and the reliability suite.
+
+Every scenario drives the installed wheel's real scheduler, KV-cache manager and
+connector; :class:`~hybrid_kv_plugin.sim.invariants.OffloadInvariants` watches
+each offload engine and is checked when the scenario ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.invariants import OffloadInvariants
+
+PLUGIN_CONNECTOR = "HybridSimpleCPUConnector"
+STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
+# 4 MiB: 4096 CPU blocks of the tiny model's 1 KiB pages, 16x its 256 GPU blocks.
+CPU_BYTES = 1 << 22
+# Tokens appended to a replayed prompt: they are never cached anywhere.
+CONTINUATION = (3, 4, 5)
+
+
+@dataclass
+class OffloadRun:
+    engine: SimEngine
+    invariants: OffloadInvariants
+    _ids: itertools.count
+
+    def request(self, prompt: Sequence[int], max_tokens: int = 1) -> int:
+        """Run one request to completion; its hit (tokens it did not compute)."""
+        req_id = f"r{next(self._ids)}"
+        return self.engine.run([(req_id, prompt)], max_tokens=max_tokens)[req_id]
+
+    def external_tokens(self, req_id: str) -> int:
+        return self.engine.outcomes[req_id].external_tokens
+
+
+def offload_engine(
+    adapter: Any,
+    connector: str = PLUGIN_CONNECTOR,
+    *,
+    geometry: HybridGeometry | None = None,
+    extra: dict[str, Any] | None = None,
+    configure: Callable[[Any], None] | None = None,
+) -> OffloadRun:
+    engine = SimEngine(
+        geometry or HybridGeometry(),
+        adapter=adapter,
+        kv_connector=connector,
+        kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES, **(extra or {})},
+        configure=configure,
+    )
+    return OffloadRun(engine, OffloadInvariants(engine), itertools.count())
+
+
+def cpu_tier_hit(
+    run: OffloadRun, prompt: Sequence[int], *, max_tokens: int = 4, warm: Sequence[Sequence[int]] = ()
+) -> int:
+    """Serve ``prompt``, evict the GPU prefix cache, then ``warm`` prompts, then prompt + 3 new tokens.
+
+    The last request's hit can only come from the CPU tier (plus whatever ``warm``
+    left in the GPU cache). Invariants are checked before returning.
+    """
+    run.request(prompt, max_tokens=max_tokens)
+    assert run.engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
+    for earlier in warm:
+        run.request(earlier)
+    hit = run.request([*prompt, *CONTINUATION])
+    run.invariants.check()
+    return hit
+
+
+def gpu_local_hit(adapter: Any, prompt: Sequence[int], *, geometry: HybridGeometry | None = None,
+                  max_tokens: int = 4, configure: Callable[[Any], None] | None = None) -> int:
+    """The same replay without a connector and without the reset: what the GPU cache alone serves."""
+    engine = SimEngine(geometry or HybridGeometry(), adapter=adapter, configure=configure)
+    engine.run([("a", prompt)], max_tokens=max_tokens)
+    return engine.run([("b", [*prompt, *CONTINUATION])])["b"]

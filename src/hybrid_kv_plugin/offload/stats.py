@@ -1,0 +1,59 @@
+"""Boundary-store counters: one admission outcome per Mamba boundary hand-off offered to SimpleCPU.
+
+A declined hand-off is silent by nature (the boundary is simply not offloaded and
+a later request misses), so every decline reason is counted. The dataclass is the
+plugin's own and has the same fields on every wheel; on wheels with the native
+counters (0.30+) it is filled from vLLM's ``BoundaryStoreStats`` field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class StoreOutcome(str, Enum):
+    """What happened to one store candidate; the value is the counter / metric label."""
+
+    STORED = "stored"
+    DROPPED_CPU_FULL = "dropped_cpu_full"
+    DROPPED_REQUEST_GONE = "dropped_request_gone"
+    DROPPED_NULL_BLOCK = "dropped_null_block"
+    DROPPED_NOT_HASHED = "dropped_not_hashed"
+    SKIPPED_ALREADY_CACHED = "skipped_already_cached"
+    SKIPPED_IN_FLIGHT = "skipped_in_flight"
+
+
+@dataclass
+class BoundaryStoreStats:
+    """Cumulative since start-up or the last CPU-cache reset. ``published`` = sum of the outcomes."""
+
+    published: int = 0
+    stored: int = 0
+    dropped_cpu_full: int = 0
+    dropped_request_gone: int = 0
+    skipped_already_cached: int = 0
+    skipped_in_flight: int = 0
+    dropped_null_block: int = 0
+    dropped_not_hashed: int = 0
+
+    def count(self, outcome: StoreOutcome, n: int = 1) -> None:
+        self.published += n
+        setattr(self, outcome.value, getattr(self, outcome.value) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def minus(self, earlier: BoundaryStoreStats) -> dict[StoreOutcome, int]:
+        """Per-outcome growth since ``earlier`` (a snapshot); outcomes that did not grow are left out."""
+        grown = {o: getattr(self, o.value) - getattr(earlier, o.value) for o in StoreOutcome}
+        return {o: n for o, n in grown.items() if n > 0}
+
+    @classmethod
+    def from_native(cls, native: Any) -> BoundaryStoreStats:
+        """Translate vLLM's own ``BoundaryStoreStats`` (0.30+); a field it lacks reads 0."""
+        if native is None:
+            return cls()
+        return cls(**{f.name: int(getattr(native, f.name, 0)) for f in dataclasses.fields(cls)})

@@ -1,0 +1,153 @@
+"""Correctness invariants of SimpleCPU offload, checked on a :class:`SimEngine` run.
+
+Attach :class:`OffloadInvariants` to an engine before it runs requests; it
+observes every ``build_connector_meta`` the real scheduler makes (nothing is
+changed) and :meth:`OffloadInvariants.check` asserts, once the engine is idle:
+
+1. **CPU blocks are released**: the CPU pool's free count is back where it
+   started (loads and stores drop every reference they took; copies stay cached
+   but evictable). The GPU pool must also have no block left referenced.
+2. **No GPU block is stored twice**: a (GPU block, content) pair is copied to the
+   CPU tier again only if its earlier copy no longer carries that key, and one
+   store event never names a GPU block twice.
+3. **Loads land where their hash says**: every loaded CPU block carries a key of
+   the destination's group whose prefix boundary falls inside the destination
+   block's token range (for a Mamba state block: the hit boundary itself).
+
+Violations are collected with their step, so a failure names all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StoreRecord:
+    step: int
+    gpu_block_id: int
+    key: Any
+    cpu_block_id: int
+
+
+@dataclass
+class OffloadInvariants:
+    engine: Any
+    violations: list[str] = field(default_factory=list)
+    stores: list[StoreRecord] = field(default_factory=list)
+    # (step, request id, group, destination index, prefix boundary of the matching key)
+    loads: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        manager = self.engine.offload_manager
+        if manager is None:
+            raise ValueError("the engine has no SimpleCPU scheduler side to watch")
+        self.manager = manager
+        self.cpu_pool = manager.cpu_block_pool
+        self.cpu_free_at_start = self.cpu_pool.get_num_free_blocks()
+        self.group_block_sizes = self.engine.adapter.offload_group_block_sizes(manager.cpu_coordinator)
+        self.hash_block_size = manager.hash_block_size
+        self._copies: dict[tuple[int, Any], StoreRecord] = {}
+        connector = self.engine.connector
+        original = connector.build_connector_meta
+
+        def build_connector_meta(scheduler_output: Any) -> Any:
+            meta = original(scheduler_output)
+            self._observe(meta)
+            return meta
+
+        connector.build_connector_meta = build_connector_meta
+
+    # ------------------------------------------------------------------ observation
+    @property
+    def _step(self) -> int:
+        return len(self.engine.steps)
+
+    def _keys_of(self, pool: Any, block_id: int) -> list[Any]:
+        block = pool.blocks[block_id]
+        keys = [block.block_hash] if block.block_hash is not None else []
+        return keys + list(pool.cached_block_hashes_by_block.get(block_id, ()))
+
+    def _observe(self, meta: Any) -> None:
+        if getattr(meta, "store_event", -1) >= 0:
+            self._observe_store(meta)
+        if getattr(meta, "load_event", -1) >= 0:
+            for req_id in meta.load_event_to_reqs.get(meta.load_event, []):
+                state = self.manager._reqs_to_load.get(req_id)
+                if state is not None and state.load_event == meta.load_event:
+                    self._observe_load(req_id, state)
+
+    def _observe_store(self, meta: Any) -> None:
+        gpu_pool = self.engine.gpu_block_pool
+        gpu_ids, cpu_ids = list(meta.store_gpu_blocks), list(meta.store_cpu_blocks)
+        if len(set(gpu_ids)) != len(gpu_ids):
+            self.violations.append(f"step {self._step}: one store event names a GPU block twice: {gpu_ids}")
+        for gpu_id, cpu_id in zip(gpu_ids, cpu_ids):
+            key = gpu_pool.blocks[gpu_id].block_hash
+            earlier = self._copies.get((gpu_id, key))
+            if earlier is not None and key is not None:
+                if key in self._keys_of(self.cpu_pool, earlier.cpu_block_id) or self._in_flight(earlier):
+                    self.violations.append(
+                        f"step {self._step}: GPU block {gpu_id} stored again (first at step {earlier.step} "
+                        f"into CPU block {earlier.cpu_block_id}, which still holds it)"
+                    )
+            record = StoreRecord(self._step, gpu_id, key, cpu_id)
+            self._copies[(gpu_id, key)] = record
+            self.stores.append(record)
+
+    def _in_flight(self, record: StoreRecord) -> bool:
+        pending = getattr(self.manager, "_store_event_to_blocks", {})
+        return any(record.cpu_block_id in t.cpu_block_ids for t in pending.values())
+
+    def _observe_load(self, req_id: str, state: Any) -> None:
+        request = state.request
+        boundary_of = {h: (i + 1) * self.hash_block_size for i, h in enumerate(request.block_hashes)}
+        table = self.engine.scheduler.kv_cache_manager.get_block_ids(req_id)
+        where = {block_id: (g, i) for g, ids in enumerate(table) for i, block_id in enumerate(ids)}
+        transfer = state.transfer_meta
+        for gpu_id, cpu_id in zip(transfer.gpu_block_ids, transfer.cpu_block_ids):
+            if gpu_id not in where:
+                self.violations.append(f"step {self._step}: {req_id} loads into GPU block {gpu_id}, not in its table")
+                continue
+            group, index = where[gpu_id]
+            size = self.group_block_sizes[group]
+            boundaries = [
+                boundary_of.get(_hash_part(key))
+                for key in self._keys_of(self.cpu_pool, cpu_id)
+                if _group_part(key) == group
+            ]
+            inside = [b for b in boundaries if b is not None and index * size < b <= (index + 1) * size]
+            if not inside:
+                self.violations.append(
+                    f"step {self._step}: {req_id} loads CPU block {cpu_id} into group {group} position {index} "
+                    f"(tokens {index * size}..{(index + 1) * size}) but it carries boundaries {boundaries}"
+                )
+                continue
+            self.loads.append((self._step, req_id, group, index, max(inside)))
+
+    # ------------------------------------------------------------------ verdict
+    def check(self, *, gpu_released: bool = True) -> None:
+        """Assert all invariants; call when the engine is idle (``run_until_idle`` returned)."""
+        problems = list(self.violations)
+        free_now = self.cpu_pool.get_num_free_blocks()
+        if free_now != self.cpu_free_at_start:
+            problems.append(f"CPU pool: {free_now} free blocks, {self.cpu_free_at_start} at start")
+        if gpu_released:
+            gpu_pool = self.engine.gpu_block_pool
+            held = [b.block_id for b in gpu_pool.blocks if b.ref_cnt > 0 and not b.is_null]
+            if held:
+                problems.append(f"GPU pool: blocks still referenced when idle: {held}")
+        assert not problems, "SimpleCPU offload invariants violated:\n  " + "\n  ".join(problems)
+
+
+def _hash_part(key: Any) -> Any:
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return get_block_hash(key)
+
+
+def _group_part(key: Any) -> int:
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    return get_group_id(key)

@@ -1,0 +1,328 @@
+"""Randomized fault-injection runs of SimpleCPU offload on the installed wheel's real scheduler.
+
+:class:`FaultHarness` drives one :class:`~hybrid_kv_plugin.sim.engine.SimEngine`
+with a small GPU pool (preemption), a small CPU pool (full CPU tier), a small
+token budget (chunked prefill), requests from a few shared-prefix families, and
+a simulated worker whose transfers complete late, out of order, or - for loads -
+fail through the wheel's own failure channel. :class:`StepInvariants` is checked
+after every step and :meth:`StepInvariants.check_idle` whenever the engine drains.
+
+The hypothesis state machine in ``tests/test_reliability_statemachine.py`` calls
+the harness's operations; this module's command line runs a long seeded program::
+
+    python -m hybrid_kv_plugin.sim.soak --steps 10000            # every variant
+    python -m hybrid_kv_plugin.sim.soak --steps 2000 --variant plugin --seed 7
+
+and prints, per variant, the steps, requests, invariant checks and violations
+(exit status 1 when any invariant was violated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_kv_plugin.sim.engine import SimEngine, TransferFate, TransferPolicy
+from hybrid_kv_plugin.sim.fault_invariants import StepInvariants
+from hybrid_kv_plugin.sim.geometry import HybridGeometry
+
+PLUGIN_CONNECTOR = "HybridSimpleCPUConnector"
+STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
+HASH_UNIT = 16
+FAMILIES = 3
+# Longest family prefix and own suffix, in tokens: a request must fit the GPU pool alone.
+MAX_PREFIX_UNITS = 16
+MAX_OWN_TOKENS = 64
+MAX_OUTPUT_TOKENS = 12
+MAX_LIVE_REQUESTS = 10
+DRAIN_LIMIT = 3000
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One connector configuration the randomized runs cover."""
+
+    name: str
+    connector: str
+    extra: tuple[tuple[str, Any], ...] = ()
+    full_attention_only: bool = False
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k}={v}" for k, v in self.extra)
+        shape = "full attention only" if self.full_attention_only else "hybrid FA16 + Mamba64 align"
+        return f"{self.connector}({extra}) on {shape}"
+
+
+def variants(adapter: Any) -> list[Variant]:
+    """Stock and plugin connector, eager and lazy, hybrid and non-hybrid geometry.
+
+    Where the wheel cannot serve fine-grained hits the plugin's connector only starts
+    with ``fine_grained_hits: false`` (it refuses otherwise: test_bad_input.py).
+    """
+    from hybrid_kv_plugin.adapters import Feature
+
+    opt_out = () if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else (("fine_grained_hits", False),)
+    return [
+        Variant("stock", STOCK_CONNECTOR),
+        Variant("plugin", PLUGIN_CONNECTOR, opt_out),
+        Variant("plugin-lazy", PLUGIN_CONNECTOR, (*opt_out, ("lazy_offload", True))),
+        Variant("plugin-full-attention", PLUGIN_CONNECTOR, opt_out, full_attention_only=True),
+    ]
+
+
+def prefix_match_unit(adapter: Any) -> int:
+    """Hash-granular (16) where the wheel serves fine-grained hits; the Mamba block (64) elsewhere.
+
+    Stock SimpleCPU of 0.26-0.28 asserts on a CPU hit that is not a whole scheduler
+    block (``update_state_after_alloc``: ``num_external_tokens // block_size > 0``), which
+    a finer prefix-match unit produces. There the hybrid runs use 64-token attention
+    blocks and a 64-token prefix-match unit (vLLM needs every group's block size to be
+    a multiple of the unit), so every hit is whole scheduler blocks.
+    """
+    from hybrid_kv_plugin.adapters import Feature
+
+    return HASH_UNIT if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else HybridGeometry().mamba_block_size
+
+
+def load_failures_reportable(adapter: Any, variant: Variant) -> bool:
+    """Whether the wheel's scheduler can be told a load failed for this geometry."""
+    return adapter.kv_load_failure_by_request or variant.full_attention_only
+
+
+@dataclass
+class Faults:
+    """The simulated worker's current behaviour (changed by ``FaultHarness.set_faults``)."""
+
+    max_delay: int = 0  # each transfer completes 0..max_delay steps late (so out of order)
+    fail_rate: float = 0.0  # probability that a load fails (only where reportable)
+
+
+@dataclass
+class Counts:
+    steps: int = 0
+    requests: int = 0
+    aborts: int = 0
+    preemptions: int = 0
+    loads: int = 0
+    failed_loads: int = 0
+    stores: int = 0
+    gpu_resets: int = 0
+    cpu_resets: int = 0
+    drains: int = 0
+
+    def add(self, other: Counts) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class FaultHarness:
+    adapter: Any
+    variant: Variant
+    seed: int = 0
+    num_gpu_blocks: int = 40
+    cpu_blocks: int = 48
+    max_num_batched_tokens: int = 128
+    # vLLM's own choice for a failed load: "recompute" (the request recomputes what it
+    # could not load) or "fail" (the request ends with an error).
+    load_failure_policy: str = "recompute"
+    faults: Faults = field(default_factory=Faults)
+    counts: Counts = field(default_factory=Counts)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.can_fail_loads = load_failures_reportable(self.adapter, self.variant)
+        unit = prefix_match_unit(self.adapter)
+        geometry = HybridGeometry(
+            attention_block_size=unit,
+            hash_block_size=unit,
+            num_gpu_blocks=self.num_gpu_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=8,
+            max_model_len=1024,
+            full_attention_only=self.variant.full_attention_only,
+        )
+        self.engine = SimEngine(
+            geometry,
+            adapter=self.adapter,
+            kv_connector=self.variant.connector,
+            kv_connector_extra_config={"cpu_bytes_to_use": self.cpu_blocks * geometry.attention_page_bytes, **dict(self.variant.extra)},
+            transfer_policy=TransferPolicy(fate=self._fate),
+            configure=self._configure,
+        )
+        self.invariants = StepInvariants(self.engine)
+        self._ids = 0
+        self._preemptions: dict[str, int] = {}
+        self._families = [[random.Random(1000 + f).randint(1, 1000) for _ in range(MAX_PREFIX_UNITS * HASH_UNIT)] for f in range(FAMILIES)]
+
+    def _configure(self, vllm_config: Any) -> None:
+        vllm_config.kv_transfer_config.kv_load_failure_policy = self.load_failure_policy
+
+    # ------------------------------------------------------------------ the simulated worker
+    def _fate(self, kind: str, payload: Any) -> TransferFate:
+        delay = self.rng.randint(0, self.faults.max_delay) if self.faults.max_delay else 0
+        fail = kind == "load" and self.can_fail_loads and self.rng.random() < self.faults.fail_rate
+        if kind == "load":
+            self.counts.loads += 1
+            self.counts.failed_loads += fail
+        else:
+            self.counts.stores += 1
+        return TransferFate(extra_delay=delay, fail=fail)
+
+    def set_faults(self, max_delay: int, fail_rate: float) -> None:
+        self.faults = Faults(max_delay=max_delay, fail_rate=fail_rate if self.can_fail_loads else 0.0)
+
+    # ------------------------------------------------------------------ operations
+    def prompt(self, family: int, prefix_units: int, variant: int, own_tokens: int) -> list[int]:
+        """A family prefix plus an own suffix; equal arguments give equal prompts (exact replays)."""
+        prefix = self._families[family % FAMILIES][: prefix_units * HASH_UNIT]
+        own = random.Random(f"{family}/{variant}").choices(range(1, 1001), k=own_tokens)
+        prompt = prefix + own
+        return prompt or [1]
+
+    def add(self, family: int, prefix_units: int, variant: int, own_tokens: int, max_tokens: int) -> str:
+        req_id = f"q{self._ids}"
+        self._ids += 1
+        self.engine.add_request(req_id, self.prompt(family, prefix_units, variant, own_tokens), max_tokens=max_tokens)
+        self.counts.requests += 1
+        return req_id
+
+    def live(self) -> list[str]:
+        return sorted(r for r, req in self.engine.scheduler.requests.items() if not req.is_finished())
+
+    def abort(self, pick: int) -> str | None:
+        live = self.live()
+        if not live:
+            return None
+        req_id = live[pick % len(live)]
+        self.engine.abort([req_id])
+        self.counts.aborts += 1
+        return req_id
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.engine.step()
+            self.counts.steps += 1
+            self._count_preemptions()
+            self.invariants.check_step()
+
+    def _count_preemptions(self) -> None:
+        for req_id, request in self.engine.scheduler.requests.items():
+            before = self._preemptions.get(req_id, 0)
+            if request.num_preemptions > before:
+                self.counts.preemptions += request.num_preemptions - before
+                self._preemptions[req_id] = request.num_preemptions
+
+    def drain(self) -> bool:
+        """Step until idle (faults stay on); check the idle invariants. False if it never idled."""
+        self.counts.drains += 1
+        for _ in range(DRAIN_LIMIT):
+            if not self.engine.has_work():
+                self.invariants.check_idle()
+                return True
+            self.step()
+        self.invariants.violations.append(
+            f"step {len(self.engine.steps)}: not idle after {DRAIN_LIMIT} steps ({self.live()} live)"
+        )
+        return False
+
+    def reset_gpu_cache(self) -> None:
+        """Drain, then evict the GPU prefix cache (only possible with nothing referenced)."""
+        if self.drain():
+            if not self.engine.reset_prefix_cache():
+                self.invariants.violations.append(f"step {len(self.engine.steps)}: idle, but the GPU cache reset failed")
+            self.counts.gpu_resets += 1
+
+    def reset_cpu_cache(self) -> None:
+        """Reset the connector's CPU cache now, in-flight transfers and all (the engine's own call)."""
+        self.engine.scheduler.reset_connector_cache()
+        self.invariants.stats_reset()
+        self.counts.cpu_resets += 1
+
+    def finish(self) -> None:
+        """Drain with faults off, so that a run always ends on the idle checks."""
+        self.faults = Faults()
+        self.drain()
+
+    @property
+    def violations(self) -> list[str]:
+        return self.invariants.violations
+
+
+# ---------------------------------------------------------------------- the soak program
+def random_program(harness: FaultHarness, steps: int, rng: random.Random) -> None:
+    """Random operations until ``steps`` engine steps have run."""
+    while harness.counts.steps < steps and not harness.violations:
+        roll = rng.random()
+        if roll < 0.30 and len(harness.live()) < MAX_LIVE_REQUESTS:
+            harness.add(
+                rng.randrange(FAMILIES),
+                rng.randint(0, MAX_PREFIX_UNITS),
+                rng.randrange(4),
+                rng.randint(0, MAX_OWN_TOKENS),
+                rng.randint(1, MAX_OUTPUT_TOKENS),
+            )
+        elif roll < 0.34:
+            harness.abort(rng.randrange(64))
+        elif roll < 0.38:
+            harness.set_faults(rng.choice((0, 0, 1, 3)), rng.choice((0.0, 0.0, 0.25, 0.5)))
+        elif roll < 0.40:
+            harness.reset_gpu_cache()
+        elif roll < 0.42:
+            harness.reset_cpu_cache()
+        elif roll < 0.45:
+            harness.drain()
+        else:
+            harness.step(rng.randint(1, 8))
+    harness.finish()
+
+
+def soak(adapter: Any, variant: Variant, steps: int, seed: int) -> tuple[Counts, int, list[str]]:
+    harness = FaultHarness(adapter, variant, seed=seed)
+    random_program(harness, steps, random.Random(seed))
+    return harness.counts, harness.invariants.checks, harness.violations
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybrid_kv_plugin.sim.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10_000, help="engine steps per variant (default 10000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", action="append", help="variant name (default: all)")
+    args = parser.parse_args(argv)
+
+    import hybrid_kv_plugin
+    from hybrid_kv_plugin.registration import STATE
+
+    hybrid_kv_plugin.register()
+    if STATE.status != "active":
+        print(f"hybrid-kv soak: the plugin is not active here ({STATE.status}: {STATE.reason})", file=sys.stderr)
+        return 2
+    adapter = STATE.adapter
+    chosen = [v for v in variants(adapter) if not args.variant or v.name in args.variant]
+    if not chosen:
+        parser.error(f"no such variant; known: {', '.join(v.name for v in variants(adapter))}")
+    failed = False
+    for variant in chosen:
+        started = time.monotonic()
+        counts, checks, violations = soak(adapter, variant, args.steps, args.seed)
+        failed |= bool(violations)
+        print(
+            f"soak vllm {adapter.version} {variant.name}: steps={counts.steps} requests={counts.requests} "
+            f"invariant_checks={checks} violations={len(violations)} | aborts={counts.aborts} "
+            f"preemptions={counts.preemptions} loads={counts.loads} failed_loads={counts.failed_loads} "
+            f"stores={counts.stores} gpu_resets={counts.gpu_resets} cpu_resets={counts.cpu_resets} "
+            f"({time.monotonic() - started:.1f} s; {variant.describe()})",
+            flush=True,
+        )
+        for line in violations[:20]:
+            print(f"  violation: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Stateful randomized runs: the real scheduler + SimpleCPU connector under injected faults.
+
+A hypothesis ``RuleBasedStateMachine`` drives :class:`~hybrid_kv_plugin.sim.soak.FaultHarness`
+(the installed wheel's real ``Scheduler``, ``KVCacheManager`` and connector, through
+``SimEngine``): requests from shared-prefix families arrive and run chunked prefill
+and decode on a small GPU pool (preemption) with a small CPU pool (full CPU tier);
+requests are aborted; the GPU prefix cache and the connector's CPU cache are reset;
+the simulated worker completes transfers late and out of order and fails loads
+through the wheel's own failure channel. ``StepInvariants`` is checked after every
+step, the idle invariants whenever the engine drains and at the end of each example.
+
+Budget: the ``reliability-ci`` profile (deterministic: ``derandomize=True``, no
+example database). ``HYBRID_KV_RELIABILITY_PROFILE=reliability-long`` runs more.
+The session ends with one summary line per variant (examples, steps, requests,
+invariant checks, violations).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from hybrid_kv_plugin.sim.soak import (
+    FAMILIES,
+    MAX_LIVE_REQUESTS,
+    MAX_OUTPUT_TOKENS,
+    MAX_OWN_TOKENS,
+    MAX_PREFIX_UNITS,
+    Counts,
+    FaultHarness,
+    variants,
+)
+
+_COMMON = dict(derandomize=True, database=None, deadline=None, print_blob=False,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+settings.register_profile("reliability-ci", max_examples=10, stateful_step_count=25, **_COMMON)
+settings.register_profile("reliability-long", max_examples=200, stateful_step_count=60, **_COMMON)
+PROFILE = os.environ.get("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci")
+VARIANTS = ("stock", "plugin", "plugin-lazy", "plugin-full-attention")
+
+
+@dataclass
+class Tally:
+    examples: int = 0
+    checks: int = 0
+    violations: list[str] = field(default_factory=list)
+    counts: Counts = field(default_factory=Counts)
+
+
+class _Summary:
+    """Prints the per-variant totals when the session ends."""
+
+    def __init__(self, version: str):
+        self.version = version
+        self.tallies: dict[str, Tally] = {}
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        for name, tally in self.tallies.items():
+            c = tally.counts
+            terminalreporter.write_line(
+                f"reliability vllm {self.version} {name}: examples={tally.examples} steps={c.steps} "
+                f"requests={c.requests} invariant_checks={tally.checks} violations={len(tally.violations)} "
+                f"(aborts={c.aborts} preemptions={c.preemptions} loads={c.loads} failed_loads={c.failed_loads} "
+                f"stores={c.stores} gpu_resets={c.gpu_resets} cpu_resets={c.cpu_resets}; profile {PROFILE})"
+            )
+
+
+@pytest.fixture(scope="module")
+def summary(request, adapter):
+    plugin = _Summary(adapter.version)
+    request.config.pluginmanager.register(plugin, "hybrid-kv-reliability-summary")
+    return plugin
+
+
+class FaultMachine(RuleBasedStateMachine):
+    """One example = one engine; rules are the harness's operations."""
+
+    adapter = None
+    variant = None
+    tally: Tally
+
+    @initialize(seed=st.integers(0, 2**16 - 1))
+    def start(self, seed):
+        self.harness = FaultHarness(self.adapter, self.variant, seed=seed)
+
+    @precondition(lambda self: len(self.harness.live()) < MAX_LIVE_REQUESTS)
+    @rule(
+        family=st.integers(0, FAMILIES - 1),
+        prefix_units=st.integers(0, MAX_PREFIX_UNITS),
+        suffix=st.integers(0, 3),
+        own=st.integers(0, MAX_OWN_TOKENS),
+        max_tokens=st.integers(1, MAX_OUTPUT_TOKENS),
+    )
+    def add(self, family, prefix_units, suffix, own, max_tokens):
+        self.harness.add(family, prefix_units, suffix, own, max_tokens)
+
+    @rule(n=st.integers(1, 8))
+    def step(self, n):
+        self.harness.step(n)
+
+    @rule(pick=st.integers(0, 63))
+    def abort(self, pick):
+        self.harness.abort(pick)
+
+    @rule(max_delay=st.sampled_from((0, 1, 3)), fail_rate=st.sampled_from((0.0, 0.25, 0.5)))
+    def faults(self, max_delay, fail_rate):
+        self.harness.set_faults(max_delay, fail_rate)
+
+    @rule()
+    def drain(self):
+        self.harness.drain()
+
+    @rule()
+    def reset_gpu_cache(self):
+        self.harness.reset_gpu_cache()
+
+    @rule()
+    def reset_cpu_cache(self):
+        self.harness.reset_cpu_cache()
+
+    @invariant()
+    def no_violation(self):
+        if hasattr(self, "harness"):
+            assert self.harness.violations == []
+
+    def teardown(self):
+        if not hasattr(self, "harness"):
+            return
+        self.harness.finish()
+        tally = self.tally
+        tally.examples += 1
+        tally.checks += self.harness.invariants.checks
+        tally.counts.add(self.harness.counts)
+        tally.violations += self.harness.violations
+        assert self.harness.violations == []
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_randomized_faults_keep_invariants(plugin, adapter, summary, name):
+    variant = next(v for v in variants(adapter) if v.name == name)
+    tally = summary.tallies.setdefault(name, Tally())
+    machine = type(f"FaultMachine[{name}]", (FaultMachine,), {"adapter": adapter, "variant": variant, "tally": tally})
+    profile = settings.get_profile(PROFILE)
+    run_state_machine_as_test(machine, settings=profile)
+    assert tally.violations == []
