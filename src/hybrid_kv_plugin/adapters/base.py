@@ -24,6 +24,9 @@ class VllmAdapter:
     # --- facts about the wheel (override in the family that changed them) ---
     # KVCacheTensor layout: "shared_by" (<=0.28) or "layers" (0.29+).
     kv_cache_tensor_style: ClassVar[str] = "shared_by"
+    # Where the coordinator reads the prefix-cache retention interval: this environment
+    # variable (<=0.28) or, when None, KVCacheConfig.prefix_cache_retention_interval (0.29+).
+    retention_interval_env_var: ClassVar[str | None] = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
     # The engine runs a hybrid align model with CacheConfig.block_size equal to the Mamba
     # block size (<=0.27: hash-size resolution compares Mamba blocks against it).
     cache_block_size_is_mamba_block_size: ClassVar[bool] = True
@@ -33,6 +36,22 @@ class VllmAdapter:
     kv_cache_config_carries_hash_sizes: ClassVar[bool] = False
     # The native CacheConfig field of the junction checkpoint, if the wheel has one.
     native_junction_flag: ClassVar[str | None] = None
+    # Junction checkpoint (seed 003). The Scheduler attribute holding the native gate (0.30+).
+    native_junction_scheduler_attr: ClassVar[str | None] = None
+    # The Scheduler's EAGLE block-drop bit (0.30 split it from ``use_eagle``).
+    scheduler_eagle_drop_attr: ClassVar[str] = "use_eagle"
+    # Exactly the ``self.`` attributes the stock Scheduler._mamba_block_aligned_split reads.
+    junction_split_reads: ClassVar[frozenset[str]] = frozenset(
+        {"cache_config", "hash_block_size", "mamba_partial_cache_hit", "use_eagle"}
+    )
+    # Exactly the ``self.`` attributes the stock MambaManager._cache_partial_tail_block touches,
+    # and whether it records the request as the producer of its partial state (0.27+).
+    mamba_partial_tail_reads: ClassVar[frozenset[str]] = frozenset(
+        {"_partial_hit_reqs", "block_pool", "block_size", "kv_cache_group_id", "num_cached_block", "req_to_blocks"}
+    )
+    mamba_tracks_partial_tail_producers: ClassVar[bool] = False
+    # Coordinator attributes the junction gate needs beyond those of every wheel.
+    junction_coordinator_extra_attrs: ClassVar[tuple[str, ...]] = ()
     # scheduler_output.kv_connector_block_state.boundary_state_offloads exists (0.29+).
     has_boundary_handoffs: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
@@ -52,6 +71,10 @@ class VllmAdapter:
     # The engine core asks workers for the aligned CPU block count only when a connector
     # *named* SimpleCPUOffloadConnector is configured (0.33+, v1/engine/core.py).
     simplecpu_block_count_gated_by_name: ClassVar[bool] = False
+    # A connector can report a failed load per request (KVConnectorOutput.failed_recving,
+    # 0.30+). Older wheels only take invalid_block_ids, which their scheduler maps back to
+    # requests through a single KV-cache group: a hybrid model's failed load cannot be told.
+    kv_load_failure_by_request: ClassVar[bool] = False
 
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
@@ -121,6 +144,28 @@ class VllmAdapter:
     def junction_patch_specs(self) -> list[PatchSpec]:
         """Seed 003: Mamba shared-prefix (junction) checkpoint."""
         return []
+
+    def coordinator_reprefillable_tokens(self, coordinator: Any) -> int:
+        """Tokens a multi-module MTP drafter may re-prefill, which the coordinator leaves uncached.
+
+        0.26-0.27 know no such tail (their coordinators cache the chunk end)."""
+        return 0
+
+    def eagle_block_drop_options(self) -> dict[str, Any]:
+        """SpeculativeConfig fields that keep EAGLE on the trailing-block drop.
+
+        Up to 0.32 EAGLE always drops the last matched prefix-cache unit; 0.33 hashes
+        the drafter's lookahead token instead and drops nothing unless told not to.
+        """
+        return {}
+
+    def junction_active(self, scheduler: Any) -> bool:
+        """Whether the junction checkpoint is in effect on ``scheduler`` (switch on and gate open)."""
+        if self.native_junction_scheduler_attr:
+            return bool(getattr(scheduler, self.native_junction_scheduler_attr))
+        from hybrid_kv_plugin.junction import plan_of
+
+        return plan_of(scheduler).enabled
 
     def cpu_offload_patch_specs(self) -> list[PatchSpec]:
         """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""
@@ -199,3 +244,16 @@ class VllmAdapter:
         marker), so their coordinators fall back to treating every group as an EAGLE group.
         """
         return None
+
+    def boundary_handoffs(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
+        (``{}`` on wheels without the hand-off channel, or without a connector)."""
+        if not self.has_boundary_handoffs:
+            return {}
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is None:
+            return {}
+        return {
+            req_id: [num_tokens for _group, _block, num_tokens in entries]
+            for req_id, entries in block_state.boundary_state_offloads.items()
+        }

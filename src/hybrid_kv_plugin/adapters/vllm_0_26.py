@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 class Vllm026Adapter(VllmAdapter):
     families = ((0, 26),)
     tested_wheels = ("0.26.0",)
-    backports_shipped = VllmAdapter.backports_shipped | {Feature.NIXL_SSM_SLOT_PAIRING}
+    backports_shipped = VllmAdapter.backports_shipped | {
+        Feature.NIXL_SSM_SLOT_PAIRING,
+        Feature.MAMBA_JUNCTION_CHECKPOINT,
+    }
 
     def nixl_patch_specs(self) -> list[PatchSpec]:
         """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""
@@ -23,6 +26,12 @@ class Vllm026Adapter(VllmAdapter):
         from hybrid_kv_plugin.patches import nixl_exchange_clip, nixl_save_meta, nixl_worker_pairing
 
         return [nixl_exchange_clip.spec(self), nixl_save_meta.spec(self), nixl_worker_pairing.spec(self)]
+
+    def junction_patch_specs(self) -> list[PatchSpec]:
+        """Seed 003 backport (0.26-0.29): the split adds the junction stop; the coordinator owns the plan."""
+        from hybrid_kv_plugin.patches import junction_coordinator, junction_split
+
+        return [junction_coordinator.spec(self), junction_split.spec(self)]
 
 
 def _nixl_scheduler_clips_ssm() -> bool:

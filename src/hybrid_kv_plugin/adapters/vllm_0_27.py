@@ -7,6 +7,11 @@ class Vllm027Adapter(Vllm026Adapter):
     families = ((0, 27),)
     tested_wheels = ("0.27.1",)
     has_native_nixl_ssm_clip = True
+    # The Mamba split caps prefill chunks by the scheduler budget; the partial-tail
+    # checkpoint records its producer request (for connector hand-off).
+    junction_split_reads = Vllm026Adapter.junction_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
+    mamba_partial_tail_reads = Vllm026Adapter.mamba_partial_tail_reads | {"_producer_partial_tail_reqs"}
+    mamba_tracks_partial_tail_producers = True
 
     def nixl_patch_specs(self) -> list:
         """Seed 004 is native here (``get_exchange_clipped_blocks``): delegate, patch nothing."""

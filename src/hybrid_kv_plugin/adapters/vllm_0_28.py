@@ -1,5 +1,7 @@
 """vLLM 0.28.x: SimpleCPU gains a disk tier; hash-size resolution reads the Mamba cache mode."""
 
+from typing import Any
+
 from hybrid_kv_plugin.adapters.vllm_0_27 import Vllm027Adapter
 
 
@@ -15,3 +17,8 @@ class Vllm028Adapter(Vllm027Adapter):
         "disk_buffer_slots",
         "use_page_cache",
     }
+    # Multi-module MTP: the coordinator leaves a re-prefillable tail uncached.
+    junction_coordinator_extra_attrs = ("num_reprefillable_tokens",)
+
+    def coordinator_reprefillable_tokens(self, coordinator: Any) -> int:
+        return coordinator.num_reprefillable_tokens

@@ -8,7 +8,10 @@ class Vllm029Adapter(Vllm028Adapter):
     families = ((0, 29),)
     tested_wheels = ("0.29.0",)
     kv_cache_tensor_style = "layers"
+    retention_interval_env_var = None
     has_boundary_handoffs = True
+    # The Mamba split knows internal prefill checkpoint blocks.
+    junction_split_reads = Vllm028Adapter.junction_split_reads | {"mamba_has_prefill_checkpoint_blocks"}
     # Seed 000: HybridSimpleCPUConnector backports fine-grained CPU hits on this wheel
     # (hybrid_kv_plugin.offload; a SimpleCPUOffloadScheduler subclass, no vLLM patch).
     backports_shipped = Vllm028Adapter.backports_shipped | {Feature.FINE_GRAINED_CPU_HITS}

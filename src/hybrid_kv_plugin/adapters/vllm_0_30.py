@@ -11,9 +11,19 @@ class Vllm030Adapter(Vllm029Adapter):
     tested_wheels = ("0.30.0",)
     has_native_fine_grained_cpu_hits = True
     # Native wins: the 0.29 backport of seed 000 is not shipped (nor installed) here.
-    backports_shipped = Vllm029Adapter.backports_shipped - {Feature.FINE_GRAINED_CPU_HITS}
+    backports_shipped = Vllm029Adapter.backports_shipped - {
+        Feature.FINE_GRAINED_CPU_HITS,
+        Feature.MAMBA_JUNCTION_CHECKPOINT,
+    }
     simplecpu_worker_submits_without_forward = True
+    kv_load_failure_by_request = True
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
+    native_junction_scheduler_attr = "mamba_fine_grained_prefix_cache"
+    scheduler_eagle_drop_attr = "use_eagle_block_drop"
+
+    def junction_patch_specs(self) -> list:
+        """Seed 003 is native (the switch maps onto the CacheConfig flag): patch nothing."""
+        return []
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)

@@ -7,4 +7,5 @@ class Vllm031Adapter(Vllm030Adapter):
     families = ((0, 31), (0, 32))
     tested_wheels = ("0.31.0", "0.32.0")
     native_junction_flag = "enable_mamba_shared_prefix_checkpoint"
+    native_junction_scheduler_attr = "mamba_shared_prefix_checkpoint"
     has_native_simplecpu_metrics = True

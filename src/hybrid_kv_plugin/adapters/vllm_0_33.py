@@ -23,6 +23,10 @@ class Vllm033Adapter(Vllm031Adapter):
 
         return [offload_has_connector.spec(self)]
 
+    def eagle_block_drop_options(self) -> dict[str, Any]:
+        # Lookahead block hashes prove the boundary token, so EAGLE drops no unit by default.
+        return {"disable_lookahead_block_hashes": True}
+
     def mark_eagle_groups(self, vllm_config: Any, kv_cache_config: Any, draft_layers: frozenset[str]) -> None:
         # 0.33 (kv_cache_planning.get_global_kv_cache_groups): under EAGLE block drop, a group
         # is an EAGLE group exactly when it holds a draft layer (spec.is_draft).

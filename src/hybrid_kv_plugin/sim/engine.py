@@ -46,6 +46,25 @@ class TransferPolicy:
 
     delay_steps: int = 0
     _pending: list[tuple[int, str, Any]] = field(default_factory=list)
+    # Fault injection (None: every transfer completes after ``delay_steps``, in issue
+    # order). Asked once per issued transfer as ``fate(kind, payload)``: kind "load"
+    # (payload: its request ids) or "store" (payload: the store event index).
+    fate: Callable[[str, Any], TransferFate] | None = None
+    # Loads reported failed: (step of the report, request ids, GPU destination block ids).
+    failed_loads: list[tuple[int, list[str], list[int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TransferFate:
+    """What the simulated worker does with one transfer it was handed.
+
+    ``extra_delay``: steps on top of ``delay_steps`` for this transfer only, so a later
+    transfer can complete first. ``fail``: a load is reported failed through the wheel's
+    own channel (stores have none in vLLM: a failed copy is a worker error there).
+    """
+
+    extra_delay: int = 0
+    fail: bool = False
 
 
 class SimEngine:
@@ -59,6 +78,7 @@ class SimEngine:
         adapter: Any = None,
         transfer_policy: TransferPolicy | None = None,
         scheduler_cls: type | None = None,
+        configure: Callable[[Any], None] | None = None,
     ):
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -77,6 +97,10 @@ class SimEngine:
             kv_connector_extra_config=kv_connector_extra_config,
             additional_config=additional_config,
         )
+        if configure is not None:
+            # Last word on the VllmConfig before anything reads it (e.g. a DCP size or
+            # KV events, which the config validators or the geometry do not cover).
+            configure(self.vllm_config)
         self.kv_cache_config = build_kv_cache_config(self.geometry, adapter)
         # The wheel's engine flags EAGLE groups while grouping layers; do it its way here.
         adapter.mark_eagle_groups(self.vllm_config, self.kv_cache_config, frozenset({DRAFT_LAYER}))
@@ -210,18 +234,55 @@ class SimEngine:
         if getattr(meta, "load_event", -1) >= 0:
             record.load_event = meta.load_event
             reqs = meta.load_event_to_reqs.get(meta.load_event, [])
-            self.transfers._pending.append((step + self.transfers.delay_steps, "load", list(reqs)))
+            self.transfers._pending.append(self._issue(step, "load", list(reqs), meta))
         if getattr(meta, "store_event", -1) >= 0:
             record.store_event = meta.store_event
-            self.transfers._pending.append((step + self.transfers.delay_steps, "store", meta.store_event))
+            self.transfers._pending.append(self._issue(step, "store", meta.store_event, meta))
         due = [p for p in self.transfers._pending if p[0] <= step]
         self.transfers._pending = [p for p in self.transfers._pending if p[0] > step]
         recving = {r for _, kind, reqs in due if kind == "load" for r in reqs}
         stores = {event: 1 for _, kind, event in due if kind == "store"}
-        return KVConnectorOutput(
+        output = KVConnectorOutput(
             finished_recving=recving or None,
             kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores),
         )
+        failed = [payload for _, kind, payload in due if kind == "failed_load"]
+        if failed:
+            self._report_failed_loads(output, failed, step)
+        return output
+
+    def _issue(self, step: int, kind: str, payload: Any, meta: Any) -> tuple[int, str, Any]:
+        """The pending entry of one transfer: when it completes, and whether it fails."""
+        due = step + self.transfers.delay_steps
+        if self.transfers.fate is None:
+            return due, kind, payload
+        fate = self.transfers.fate(kind, payload)
+        if fate.fail and kind == "load":
+            return due + fate.extra_delay, "failed_load", (payload, list(meta.load_gpu_blocks))
+        return due + fate.extra_delay, kind, payload
+
+    def _report_failed_loads(self, output: Any, failed: list[tuple[list[str], list[int]]], step: int) -> None:
+        """Report loads as done but failed, the way the wheel's scheduler expects a connector to.
+
+        The request ids are in ``finished_recving`` (the transfer is over) and in the
+        wheel's failure channel: per request where it has one, else the destination
+        blocks as ``invalid_block_ids`` - which the older schedulers map back to requests
+        through exactly one KV-cache group.
+        """
+        req_ids = [req_id for reqs, _ in failed for req_id in reqs]
+        gpu_ids = sorted({block_id for _, blocks in failed for block_id in blocks})
+        output.finished_recving = set(output.finished_recving or ()) | set(req_ids)
+        if self.adapter.kv_load_failure_by_request:
+            output.failed_recving = set(req_ids)
+        elif len(self.kv_cache_config.kv_cache_groups) == 1:
+            output.invalid_block_ids = set(gpu_ids)
+        else:
+            raise NotImplementedError(
+                f"vLLM {self.adapter.version} takes load failures only as invalid_block_ids, which its "
+                f"scheduler maps to one KV-cache group; this geometry has "
+                f"{len(self.kv_cache_config.kv_cache_groups)}"
+            )
+        self.transfers.failed_loads.append((step, req_ids, gpu_ids))
 
     def _observe_connector(self) -> None:
         """Record each request's external (connector) hit; the connector's answer is unchanged."""

@@ -48,6 +48,16 @@ class HybridGeometry:
     # With ``eagle``: the SpeculativeConfig method; the draft is the tiny Llama in data/.
     speculative_method: str = "eagle"
     extra_cache_config: dict[str, Any] = field(default_factory=dict)
+    # With ``eagle``: more SpeculativeConfig fields (wheel-specific, e.g. 0.33's
+    # ``disable_lookahead_block_hashes``).
+    extra_speculative_config: dict[str, Any] = field(default_factory=dict)
+    # Sparse prefix-cache retention (None = dense, the sim's default). Carried by the
+    # KVCacheConfig where the wheel reads it from there (0.29+); older coordinators read
+    # ``adapter.retention_interval_env_var`` instead, which the caller sets.
+    prefix_cache_retention_interval: int | None = None
+    # Only the full-attention group, as a non-hybrid model has (the Mamba fields are
+    # then ignored and the cache runs without a Mamba cache mode).
+    full_attention_only: bool = False
 
     @property
     def attention_page_bytes(self) -> int:
@@ -77,10 +87,12 @@ def build_vllm_config(
     cache_block_size = geometry.attention_block_size
     if adapter.cache_block_size_is_mamba_block_size and geometry.mamba_cache_mode == "align":
         cache_block_size = geometry.mamba_block_size
+    if geometry.full_attention_only:
+        cache_block_size = geometry.attention_block_size
     cache_config = CacheConfig(
         block_size=cache_block_size,
         enable_prefix_caching=geometry.enable_prefix_caching,
-        mamba_cache_mode=geometry.mamba_cache_mode,
+        mamba_cache_mode="none" if geometry.full_attention_only else geometry.mamba_cache_mode,
         prefix_match_unit=geometry.hash_block_size,
         **geometry.extra_cache_config,
     )
@@ -123,6 +135,7 @@ def build_speculative_config(geometry: HybridGeometry, model_config: Any) -> Any
         model=data_dir(DRAFT_DIR),
         target_model_config=model_config,
         target_parallel_config=ParallelConfig(),
+        **geometry.extra_speculative_config,
     )
 
 
@@ -134,6 +147,15 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
     attention = FullAttentionSpec(
         block_size=geometry.attention_block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
     )
+    if geometry.full_attention_only:
+        tensor = adapter.make_kv_cache_tensor(
+            attention.page_size_bytes * geometry.num_gpu_blocks, [ATTENTION_LAYER], attention.page_size_bytes
+        )
+        return KVCacheConfig(
+            num_blocks=geometry.num_gpu_blocks,
+            kv_cache_tensors=[tensor],
+            kv_cache_groups=[KVCacheGroupSpec([ATTENTION_LAYER], attention)],
+        )
     mamba = MambaSpec(
         block_size=geometry.mamba_block_size,
         shapes=geometry.mamba_state_shapes(),
@@ -147,8 +169,12 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
     tensor = adapter.make_kv_cache_tensor(
         page * geometry.num_gpu_blocks, [*attention_layers, MAMBA_LAYER], page
     )
+    retention: dict[str, Any] = {}
+    if geometry.prefix_cache_retention_interval is not None and adapter.retention_interval_env_var is None:
+        retention["prefix_cache_retention_interval"] = geometry.prefix_cache_retention_interval
     return KVCacheConfig(
         num_blocks=geometry.num_gpu_blocks,
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(attention_layers, attention), KVCacheGroupSpec([MAMBA_LAYER], mamba)],
+        **retention,
     )

@@ -1,0 +1,100 @@
+"""The hybrid coordinator that owns the junction plan of one scheduler.
+
+A subclass of the wheel's ``HybridKVCacheCoordinator``, installed as that module
+global (``get_kv_cache_coordinator`` looks the name up at call time, so every
+hybrid coordinator built afterwards - the scheduler's and any connector's - is
+one). It upgrades the Mamba managers it builds to the junction subclass, computes
+the plan once when its scheduler binds it (:func:`plan_of`), hands the plan to
+those managers and, while the plan is open, hands them the EAGLE-aware replay
+boundaries on every ``cache_blocks`` call. Unbound, it is the stock coordinator.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.junction.gate import JunctionPlan, junction_plan, replay_boundaries
+from hybrid_kv_plugin.junction.manager import adopt, junction_manager_class
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+
+class JunctionCoordinatorMixin:
+    """Marker + shared behaviour of every junction coordinator class (one per wheel)."""
+
+    # None until the scheduler owning this coordinator binds it.
+    junction_plan: JunctionPlan | None = None
+    _junction_manager_cls: type
+    _junction_adapter: VllmAdapter
+
+    def bind_junction(self, switch: bool) -> JunctionPlan:
+        plan = junction_plan(switch, self, self._junction_adapter)
+        self.junction_plan = plan
+        for manager in self._junction_managers():
+            manager.apply_plan(plan)
+        return plan
+
+    def _junction_managers(self) -> list[Any]:
+        return [m for m in self.single_type_managers if isinstance(m, self._junction_manager_cls)]  # type: ignore[attr-defined]
+
+
+def junction_coordinator_class(stock: type, stock_mamba_manager: type, adapter: VllmAdapter) -> type:
+    """Subclass the wheel's ``HybridKVCacheCoordinator`` (``stock``) for the junction checkpoint."""
+    manager_cls = junction_manager_class(stock_mamba_manager, adapter)
+
+    class JunctionHybridKVCacheCoordinator(JunctionCoordinatorMixin, stock):  # type: ignore[misc, valid-type]
+        _junction_manager_cls = manager_cls
+        _junction_adapter = adapter
+
+        # Same signature as the stock constructor (the patch fingerprint reads it, also
+        # while the subclass is installed).
+        @functools.wraps(stock.__init__)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for manager in self.single_type_managers:
+                # Exactly the stock class: a manager some other plugin registered is left alone.
+                if type(manager) is stock_mamba_manager:
+                    adopt(manager, manager_cls)
+
+        def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+            plan = self.junction_plan
+            if plan is None or not plan.enabled or self.retention_interval is None:
+                return super().cache_blocks(request, num_computed_tokens)
+            bounds = replay_boundaries(
+                request.num_prompt_tokens, self.scheduler_block_size, eagle=bool(self.eagle_group_ids)
+            )
+            managers = self._junction_managers()
+            for manager in managers:
+                manager.replay_handoff = bounds
+            try:
+                return super().cache_blocks(request, num_computed_tokens)
+            finally:
+                for manager in managers:
+                    manager.replay_handoff = None
+
+    JunctionHybridKVCacheCoordinator.__qualname__ = JunctionHybridKVCacheCoordinator.__name__
+    JunctionHybridKVCacheCoordinator.__module__ = __name__
+    return JunctionHybridKVCacheCoordinator
+
+
+NOT_HYBRID = JunctionPlan(enabled=False, reason="not a hybrid KV-cache coordinator")
+
+
+def plan_of(scheduler: Any) -> JunctionPlan:
+    """The junction plan of ``scheduler``, binding its coordinator on first use.
+
+    The switch lives on the scheduler (``hybrid_kv_config``, set before its stock
+    constructor runs) but the coordinator is built inside that constructor, so the
+    binding happens the first time the scheduler asks - always before the first
+    chunk it schedules is cached.
+    """
+    coordinator = scheduler.kv_cache_manager.coordinator
+    if not isinstance(coordinator, JunctionCoordinatorMixin):
+        return NOT_HYBRID
+    if coordinator.junction_plan is None:
+        config = getattr(scheduler, "hybrid_kv_config", None)
+        coordinator.bind_junction(bool(config and config.mamba_shared_prefix_checkpoint))
+    assert coordinator.junction_plan is not None
+    return coordinator.junction_plan

@@ -1,0 +1,118 @@
+"""The Mamba manager that keeps a partial state at the junction (and the lowered EAGLE tail).
+
+Built at install time as a subclass of the wheel's own ``MambaManager``. The
+plugin never registers it in vLLM's KV-cache spec registry: vLLM re-registers
+``MambaSpec -> MambaManager`` at every engine start and asserts on any other
+manager. Instead the junction coordinator upgrades the Mamba managers it owns
+(:func:`adopt`), so the registry keeps naming the stock class.
+
+While its coordinator has not opened the gate (switch off, or no plan yet), every
+method is the stock one: the class only adds behaviour behind ``junction_enabled``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+def junction_manager_class(stock: type, adapter: VllmAdapter) -> type:
+    """The subclass of ``stock`` (the wheel's ``MambaManager``) for this wheel."""
+    return _build(stock, tracks_producers=adapter.mamba_tracks_partial_tail_producers)
+
+
+def adopt(manager: Any, cls: type) -> None:
+    """Turn a stock Mamba manager the coordinator just built into the junction subclass.
+
+    The subclass adds no constructor state (its switches are class-level defaults),
+    so swapping the class of a fully built stock instance is exact.
+    """
+    manager.__class__ = cls
+
+
+def _build(stock: type, tracks_producers: bool) -> type:
+    class JunctionMambaManager(stock):  # type: ignore[misc, valid-type]
+        """``MambaManager`` that also checkpoints a partial state at the shared-prefix junction."""
+
+        # Set by the coordinator from its JunctionPlan; class defaults keep stock behaviour.
+        junction_enabled = False
+        lowers_prompt_tail = False
+        # Replay boundaries handed over by the coordinator for the cache_blocks call in flight.
+        replay_handoff: tuple[int, ...] | None = None
+
+        def apply_plan(self, plan: JunctionPlan) -> None:
+            self.junction_enabled = plan.enabled
+            self.lowers_prompt_tail = plan.enabled and plan.lowered_tail and self.use_eagle
+
+        def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None) -> None:
+            handoff = self.replay_handoff
+            if handoff is None or retention_interval is None:
+                return super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
+            # Sparse retention keeps only states at "reachable" positions; the wheel knows
+            # the last prompt token and the junction. Under EAGLE a replay resumes one block
+            # lower, so add those positions for this one call (an instance attribute shadows
+            # the class-level mask builder, which vLLM also calls on the class elsewhere).
+            stock_mask = type(self).reachable_block_mask
+
+            def mask_with_replay(**kwargs: Any) -> Any:
+                kwargs["reachable_boundaries"] = [*kwargs.get("reachable_boundaries", ()), *handoff]
+                return stock_mask(**kwargs)
+
+            self.reachable_block_mask = mask_with_replay
+            try:
+                return super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
+            finally:
+                del self.reachable_block_mask
+
+        def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> Any:
+            if self.junction_enabled and self._is_added_checkpoint(request, num_tokens):
+                return self._checkpoint_partial_state(request, num_tokens)
+            return super()._cache_partial_tail_block(request, num_tokens)
+
+        def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
+            unit = self.block_pool.hash_block_size
+            if self.mamba_cache_mode != "align" or self.block_size <= unit:
+                return False
+            # Only sub-block positions on the hash grid: block ends are full-block entries.
+            if num_tokens % unit or num_tokens % self.block_size == 0:
+                return False
+            if self.lowers_prompt_tail and num_tokens == lowered_tail(request.num_prompt_tokens, unit):
+                return True
+            # The junction, only for the prompt chunk that ends there: during decode the
+            # block is the running state, rewritten in place, so its key would lie.
+            return (
+                num_tokens == request.shared_prefix_boundary
+                and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+            )
+
+        def _checkpoint_partial_state(self, request: Any, num_tokens: int) -> Any:
+            index = num_tokens // self.block_size
+            blocks: Sequence[Any] = self.req_to_blocks[request.request_id]
+            if index >= len(blocks) or blocks[index].is_null:
+                return None
+            holder = blocks[index]
+            key = self.block_pool.cache_partial_block(
+                request=request,
+                block=holder,
+                num_tokens=num_tokens,
+                kv_cache_group_id=self.kv_cache_group_id,
+                block_size=self.block_size,
+            )
+            if key is None:
+                return None
+            # The next forward pass writes into ``holder``; registering it as a partial hit
+            # makes the next allocation copy the state out first (the wheel's CoW path).
+            self._partial_hit_reqs[request.request_id] = (index, holder)
+            self.num_cached_block[request.request_id] = index
+            if tracks_producers:
+                # 0.27+: the copy is also offered to a connector as this request's boundary state.
+                self._producer_partial_tail_reqs[request.request_id] = num_tokens
+            return key
+
+    JunctionMambaManager.__qualname__ = JunctionMambaManager.__name__
+    JunctionMambaManager.__module__ = __name__
+    return JunctionMambaManager

@@ -1,0 +1,55 @@
+"""The chunk stops the junction checkpoint adds to the wheel's own Mamba split.
+
+The wheel's ``_mamba_block_aligned_split`` keeps deciding the chunk; this module
+only answers "is there an earlier position inside that chunk where the state must
+be materialised?". Every stop the wheel makes is kept, so a state the stock split
+would cache is still cached; the switch can only add states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
+
+
+def last_pinned_boundary(request: Any, block_size: int, eagle_drop: bool) -> int:
+    """The last block boundary below which the stock split keeps chunk ends on the grid.
+
+    Under EAGLE block drop a hit never reaches the last full block, so the stock
+    split pins one block lower; the prompt-tail stop only matters above this.
+    """
+    boundary = request.num_tokens // block_size * block_size
+    return max(boundary - block_size, 0) if eagle_drop else boundary
+
+
+def junction_stop(
+    plan: JunctionPlan,
+    request: Any,
+    start: int,
+    end: int,
+    *,
+    block_size: int,
+    hash_unit: int,
+    eagle_drop: bool,
+) -> int | None:
+    """The earliest added stop strictly inside ``(start, end)``, or ``None``.
+
+    * the exact junction (``request.shared_prefix_boundary``) while it lies inside
+      the prompt: past the prompt the manager keeps nothing there, and the wheel's
+      block-floored stop already covers a resumed request replaying its outputs;
+    * under EAGLE the prompt tail one hash unit down, where the sibling's hit lands.
+    """
+    if not plan.enabled:
+        return None
+    prompt = request.num_prompt_tokens
+    candidates = []
+    junction = request.shared_prefix_boundary
+    if junction <= prompt:
+        candidates.append(junction)
+    if plan.lowered_tail:
+        tail = lowered_tail(prompt, hash_unit)
+        if last_pinned_boundary(request, block_size, eagle_drop) < tail < prompt:
+            candidates.append(tail)
+    inside = [stop for stop in candidates if start < stop < end]
+    return min(inside, default=None)

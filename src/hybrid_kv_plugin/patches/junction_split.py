@@ -1,0 +1,83 @@
+"""Patch ``Scheduler._mamba_block_aligned_split``: also end a prefill chunk at the junction.
+
+Why: with EAGLE + ``--mamba-cache-mode align`` + a prefix-match unit finer than the
+Mamba block, a request that shares a prefix with an earlier one learns the
+junction (``request.shared_prefix_boundary``, the full-attention hit after the
+draft's one-unit drop) at admission. The stock split of vLLM 0.26-0.29 only stops
+at that junction floored to the block grid, so no Mamba state exists where the
+next sibling's hit lands and that sibling recomputes from the block below.
+Likewise the prompt-tail checkpoint sits one hash unit above where an EAGLE hit
+can land (vLLM issue #52371).
+
+What it changes: the stock split still decides the chunk; when the scheduler's
+junction plan is open (switch ``mamba_shared_prefix_checkpoint`` on, an EAGLE
+group, partial hash hits, no multi-module MTP re-prefill tail - see
+:mod:`hybrid_kv_plugin.junction.gate`), the chunk is cut earlier at the exact
+junction while it lies inside the prompt, and under EAGLE at the prompt's last
+hash boundary minus one unit. The Mamba manager installed by
+``junction_coordinator`` keeps the state found at those positions. Plan closed:
+the stock result is returned unchanged. ``AsyncScheduler`` inherits the method.
+
+Upstream: vLLM PR #53945 ("Cache the Mamba state at the block-grid position of
+EAGLE resume", fixes #52371), flag ``--enable-mamba-fine-grained-prefix-cache``,
+renamed ``--enable-mamba-shared-prefix-checkpoint`` in 0.31. First version where
+the plugin no longer installs this patch: 0.30.0 (the switch maps onto the native
+flag there).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.junction import junction_stop, plan_of
+from hybrid_kv_plugin.junction.fingerprints import ReadsFingerprint
+from hybrid_kv_plugin.patching import PatchSpec
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_split"
+PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
+
+
+def spec(adapter: VllmAdapter) -> PatchSpec:
+    return PatchSpec(
+        name="junction_split",
+        target=TARGET,
+        # The attributes the stock split reads differ per wheel; any other set means its
+        # stops changed and adding ours could contradict them.
+        fingerprint=ReadsFingerprint(params=PARAMS, exact=True, self_reads=adapter.junction_split_reads),
+        build=lambda original: _wrap(original, adapter),
+        why="end a prefill chunk at the exact shared-prefix junction (and the EAGLE prompt tail)",
+        upstream="vLLM PR #53945",
+        removed_in="0.30.0",
+    )
+
+
+def _wrap(original: Any, adapter: VllmAdapter) -> Any:
+    @functools.wraps(original)
+    def _mamba_block_aligned_split(
+        self: Any,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        scheduled = original(self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+        plan = plan_of(self)
+        if not plan.enabled:
+            return scheduled
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        stop = junction_stop(
+            plan,
+            request,
+            start,
+            start + scheduled,
+            block_size=self.cache_config.block_size,
+            hash_unit=self.hash_block_size,
+            eagle_drop=getattr(self, adapter.scheduler_eagle_drop_attr),
+        )
+        return scheduled if stop is None else stop - start
+
+    return _mamba_block_aligned_split
