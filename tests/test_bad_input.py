@@ -137,8 +137,8 @@ def test_fine_grained_hits_on_a_wheel_without_handoffs(plugin, make_engine, adap
         make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config=dict(CPU))
     message = str(err.value)
     assert message.startswith(
-        f"hybrid-kv-plugin: HybridSimpleCPUConnector cannot serve fine-grained hybrid prefix hits on vLLM {adapter.version} "
-        "(this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0)"
+        f"hybrid-kv-plugin: HybridSimpleCPUConnector cannot serve fine-grained hybrid prefix hits on vLLM {adapter.version}: "
+        "this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0)"
     )
     assert message.endswith('set "fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.')
     opted_out = make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config={**CPU, "fine_grained_hits": False})

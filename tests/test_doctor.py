@@ -83,6 +83,13 @@ def test_doctor_validates_a_good_serve_line(adapter):
         ),
         ("--mamba-cache-mode sometimes", "--mamba-cache-mode: 'sometimes' (allowed: none, align, all)"),
         ("--block-size 16 --mamba-block-size 64 --prefix-match-unit 24", "--prefix-match-unit: 24 must divide --block-size 16"),
+        ("--speculative-config '[1]'", "--speculative-config: must be a JSON object"),
+        (
+            "--speculative-config '{\"method\":\"eagle\",\"num_speculative_tokens\":0}'",
+            "--speculative-config.num_speculative_tokens: 0 (allowed: a positive integer)",
+        ),
+        ("--speculative-config '{\"method\":3}'", "--speculative-config.method: 3 is not a string"),
+        ("--additional-config '{\"hybrid_kv\":{\"junction\":true}}'", "hybrid_kv.junction: unknown key"),
     ],
 )
 def test_doctor_rejects_invalid_serve_lines_with_exit_2(args, error, capsys):
@@ -92,3 +99,96 @@ def test_doctor_rejects_invalid_serve_lines_with_exit_2(args, error, capsys):
     out = capsys.readouterr().out
     assert "vllm serve arguments: INVALID" in out
     assert error in out
+
+
+# ---------------------------------------------------------------------------- speculative decoding and the junction switch
+BASE = "--enable-prefix-caching --block-size 16 --mamba-block-size 64 --prefix-match-unit 16 --mamba-cache-mode align"
+EAGLE = "--speculative-config '{\"method\":\"eagle\",\"model\":\"draft\",\"num_speculative_tokens\":1}'"
+SWITCH = "--additional-config '{\"hybrid_kv\":{\"mamba_shared_prefix_checkpoint\":true}}'"
+
+
+def _junction(adapter, line: str) -> dict:
+    from hybrid_kv_plugin.cli.serve_args import check_serve_args
+
+    verdict = check_serve_args(line, adapter)
+    assert verdict.errors == []
+    return verdict.junction_checkpoint
+
+
+def test_junction_takes_effect_with_eagle_and_the_switch(adapter):
+    from hybrid_kv_plugin.adapters import Feature, Support
+
+    native = adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT).support is Support.NATIVE
+    how = "natively" if native else "through the plugin's backport"
+    expected = {
+        "switch": True,
+        "effective": True,
+        "reason": f"eagle drops the last matched block; the Mamba state at each shared-prefix junction "
+        f"(one hash unit lower) is kept {how}, one extra state block per junction",
+    }
+    assert _junction(adapter, f"{BASE} {EAGLE} {SWITCH}") == expected
+    # The wheels' own flag spelling switches it on too.
+    assert _junction(adapter, f"{BASE} {EAGLE} --enable-mamba-shared-prefix-checkpoint") == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "switch", "reason"),
+    [
+        (
+            f"{BASE} {EAGLE}",
+            False,
+            "the switch is off; with eagle a sibling's hit stops one block short of the shared-prefix junction, "
+            "where no Mamba state is kept: turn it on with --additional-config "
+            "'{\"hybrid_kv\":{\"mamba_shared_prefix_checkpoint\":true}}' (or HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT=1)",
+        ),
+        (
+            f"{BASE} {SWITCH}",
+            True,
+            "no speculative decoding: without EAGLE's dropped block the block-floored junction already serves "
+            "siblings, so the switch changes nothing",
+        ),
+        (
+            f"{BASE} {SWITCH} --speculative-config '{{\"method\":\"ngram\",\"num_speculative_tokens\":3}}'",
+            True,
+            "speculative method 'ngram' keeps every matched block (no EAGLE block drop)",
+        ),
+        (
+            f"{BASE} {SWITCH} --speculative-config '{{\"method\":\"eagle\",\"disable_eagle_block_drop\":true}}'",
+            True,
+            "disable_eagle_block_drop is set: the EAGLE block drop is off",
+        ),
+        (f"{BASE} {EAGLE} {SWITCH} --mamba-cache-mode all", True, "--mamba-cache-mode all: the junction state is only kept in align mode"),
+        (
+            f"{BASE} {EAGLE} {SWITCH} --block-size 64 --prefix-match-unit 64",
+            True,
+            "partial hash hits are disabled: --prefix-match-unit 64 is not finer than the Mamba block 64, "
+            "so a junction inside a Mamba block is unreachable",
+        ),
+        (f"{BASE} {EAGLE} {SWITCH} --no-enable-prefix-caching", True, "prefix caching is off"),
+    ],
+)
+def test_junction_says_why_it_would_not_take_effect(adapter, line, switch, reason):
+    assert _junction(adapter, line) == {"switch": switch, "effective": False, "reason": reason}
+
+
+def test_no_junction_verdict_without_speculation_or_switch(adapter):
+    assert _junction(adapter, BASE) is None
+
+
+def test_doctor_prints_mode_and_junction_line(capsys):
+    import shlex
+
+    assert main(["doctor", "--", *shlex.split(f"--block-size 16 --mamba-block-size 64 --prefix-match-unit 16 {EAGLE}")]) == 0
+    out = capsys.readouterr().out
+    assert "  note: --mamba-cache-mode not set: vLLM picks align once prefix caching is on\n" in out
+    assert "  note: prefix caching not given: vLLM turns it on only where the model supports it" in out
+    assert "  mamba cache mode: align\n" in out
+    assert "  junction checkpoint (switch off): no effect: the switch is off; with eagle" in out
+
+
+def test_prefix_caching_off_has_no_granularity(adapter):
+    from hybrid_kv_plugin.cli.serve_args import check_serve_args
+
+    verdict = check_serve_args("--no-enable-prefix-caching --block-size 16", adapter)
+    assert (verdict.errors, verdict.reuse_granularity, verdict.mamba_cache_mode) == ([], None, "none")
+    assert verdict.notes == ["prefix caching is off (--no-enable-prefix-caching): no request reuses a prefix"]

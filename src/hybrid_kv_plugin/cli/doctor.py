@@ -87,8 +87,14 @@ def render(report: DoctorReport, out: TextIO) -> None:
         for line in check["notes"]:
             w(f"  note: {line}\n")
         if not check["errors"]:
-            w(f"  reuse granularity: {check['reuse_granularity']} tokens; "
-              f"minimum cacheable prefix: {check['min_cacheable_prefix']} tokens\n")
+            w(f"  mamba cache mode: {check['mamba_cache_mode']}\n")
+            if check["reuse_granularity"] is not None:
+                w(f"  reuse granularity: {check['reuse_granularity']} tokens; "
+                  f"minimum cacheable prefix: {check['min_cacheable_prefix']} tokens\n")
+            junction = check.get("junction_checkpoint")
+            if junction is not None:
+                state = "takes effect" if junction["effective"] else "no effect"
+                w(f"  junction checkpoint (switch {'on' if junction['switch'] else 'off'}): {state}: {junction['reason']}\n")
 
 
 def run_doctor(json_output: bool = False, out: TextIO | None = None, serve_args: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""``hybrid-kv``: ``doctor`` (what the plugin does on this vLLM) and, as features land, more."""
+"""``hybrid-kv``: ``doctor`` (what the plugin does on this vLLM), ``replay`` (what a workload reuses,
+stock vs plugin, on the real scheduler) and ``bench`` (scheduler CPU overhead of the plugin)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from hybrid_kv_plugin.cli.replay import add_arguments
 
-    replay = sub.add_parser("replay", help="replay a workload on the real vLLM scheduler: stock vs plugin")
+    replay = sub.add_parser(
+        "replay",
+        help="replay a workload on the real vLLM scheduler: stock vs plugin",
+        description="Drive this wheel's real Scheduler, KVCacheManager and SimpleCPU connector in-process "
+        "(no GPU, no weights) over a workload, once per configuration, and report per configuration the "
+        "ideal reusable tokens, the tokens reused from the GPU prefix cache and from the CPU tier, "
+        "efficiency = reused / ideal, scheduler steps, and why every lost token was lost.",
+    )
     add_arguments(replay)
+    from hybrid_kv_plugin.cli import bench as bench_cli
+
+    bench = sub.add_parser(
+        "bench",
+        help="scheduler CPU time per step, plugin vs stock, and reuse efficiency",
+        description="Process CPU time of scheduler.schedule() + update_from_output() per step, plugin vs "
+        "stock in one process, repeats interleaved (ABBA); reports the plugin/stock ratio as min/median/max "
+        "on the default workload and on a large one (--requests).",
+    )
+    bench_cli.add_arguments(bench)
     return parser
 
 
@@ -36,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybrid_kv_plugin.cli.replay import run_replay_command
 
         return run_replay_command(args)
+    if args.command == "bench":
+        from hybrid_kv_plugin.cli.bench import run_bench_command
+
+        return run_bench_command(args)
     return 2
 
 

@@ -1,66 +1,344 @@
-"""``hybrid-kv replay``: what a workload would reuse on this wheel, stock vs plugin, on a CPU."""
+"""``hybrid-kv replay``: what a workload would reuse on this wheel, stock vs plugin, on a CPU.
+
+Also home of what ``bench`` shares with it: the geometry flags, the progress bar, and
+the workload selection.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+CONFIG_NAMES = ("stock", "plugin", "plugin+junction")
 
 
+# ---------------------------------------------------------------------------- shared with bench
+def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("geometry and pools")
+    g.add_argument("--attention-block-size", type=int, default=16, metavar="N", help="full-attention block (tokens)")
+    g.add_argument("--mamba-block-size", type=int, default=64, metavar="N", help="Mamba block (tokens)")
+    g.add_argument("--prefix-match-unit", type=int, default=16, metavar="N", help="hash unit of prefix matching")
+    g.add_argument("--gpu-blocks", type=int, default=1024, metavar="N", help="GPU KV-cache blocks")
+    g.add_argument("--cpu-blocks", type=int, default=8192, metavar="N", help="CPU-tier blocks (SimpleCPU pool)")
+    eagle = g.add_mutually_exclusive_group()
+    eagle.add_argument("--eagle", dest="eagle", action="store_true", default=None, help="EAGLE on in every segment")
+    eagle.add_argument("--no-eagle", dest="eagle", action="store_false", help="EAGLE off in every segment")
+    g.add_argument("--num-speculative-tokens", type=int, default=1, metavar="N")
+    g.add_argument(
+        "--transfer-delay-steps", type=int, default=0, metavar="N",
+        help="steps the simulated worker takes to finish a CPU transfer (in-flight stores hold CPU blocks)",
+    )
+
+
+SETTINGS_FLAGS = (
+    "attention_block_size",
+    "mamba_block_size",
+    "prefix_match_unit",
+    "gpu_blocks",
+    "cpu_blocks",
+    "num_speculative_tokens",
+    "transfer_delay_steps",
+)
+
+
+def settings_from(args: argparse.Namespace) -> Any:
+    from hybrid_kv_plugin.sim.replay import ReplaySettings
+
+    for name in SETTINGS_FLAGS:
+        if getattr(args, name) < (0 if name == "transfer_delay_steps" else 1):
+            raise SystemExit(f"hybrid-kv: --{name.replace('_', '-')} must be a positive integer")
+    return ReplaySettings(**{name: getattr(args, name) for name in SETTINGS_FLAGS})
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.total = max(total, 1)
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.base = 0
+        self.label = ""
+
+    def start(self, label: str) -> None:
+        self.label = label
+
+    def update(self, done_in_run: int) -> None:
+        if not self.enabled:
+            return
+        done = self.base + done_in_run
+        width = 30
+        filled = width * done // self.total
+        self.stream.write(f"\r{self.label:<16} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests")
+        self.stream.flush()
+
+    def finish_run(self, requests: int) -> None:
+        self.base += requests
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------------- replay command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", help="JSONL trace (see README); default: the embedded workload")
+    parser.add_argument("--trace", metavar="FILE.jsonl", help="JSONL trace (see README); default: the embedded workload")
     parser.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
-    parser.add_argument("--scale", type=int, default=1, help="size multiplier of the embedded workload")
-    parser.add_argument("--attention-block-size", type=int, default=16)
-    parser.add_argument("--mamba-block-size", type=int, default=64)
-    parser.add_argument("--prefix-match-unit", type=int, default=16)
-    parser.add_argument("--gpu-blocks", type=int, default=4096)
-    parser.add_argument("--cpu-bytes", type=int, default=1 << 26)
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--scale", type=int, default=1, help="size multiplier of the embedded workload (31 requests each)")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated, from {', '.join(CONFIG_NAMES)}; plugin+junction is the plugin with the "
+        "mamba_shared_prefix_checkpoint switch on (default: stock,plugin, plus plugin+junction when a "
+        "segment runs EAGLE)",
+    )
+    add_geometry_arguments(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--per-request", action="store_true", help="with --json: every request's ideal, reuse and loss")
+    out.add_argument("--plot", metavar="FILE.png", help="bar chart of reused vs ideal per configuration (needs matplotlib)")
+    out.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="REPORT.json",
+        help="render saved `replay --json` reports side by side (one per wheel) and exit; runs nothing",
+    )
+
+
+def load_segments(args: argparse.Namespace) -> list[Any]:
+    from hybrid_kv_plugin.sim.workload import default_workload, load_trace, with_eagle
+
+    if args.trace:
+        try:
+            with open(args.trace, encoding="utf-8") as handle:
+                segments = load_trace(handle)
+        except OSError as exc:
+            raise SystemExit(f"hybrid-kv: cannot read --trace {args.trace}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise SystemExit(f"hybrid-kv: --trace {args.trace}: {exc}") from None
+        if not segments:
+            raise SystemExit(f"hybrid-kv: --trace {args.trace} holds no request")
+    else:
+        if args.scale < 1:
+            raise SystemExit("hybrid-kv: --scale must be >= 1")
+        segments = default_workload(seed=args.seed, scale=args.scale)
+    return with_eagle(segments, args.eagle)
+
+
+def choose_configs(names: str | None, segments: Sequence[Any]) -> list[Any]:
+    from hybrid_kv_plugin.sim.replay import CONFIGS
+
+    if names is None:
+        chosen = ["stock", "plugin"]
+        if any(s.eagle for s in segments):
+            chosen.append("plugin+junction")
+    else:
+        chosen = [n.strip() for n in names.split(",") if n.strip()]
+        unknown = [n for n in chosen if n not in CONFIGS]
+        if unknown or not chosen:
+            raise SystemExit(f"hybrid-kv: --configs {names!r}: allowed: {', '.join(CONFIG_NAMES)}")
+    return [CONFIGS[n] for n in chosen]
 
 
 def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from hybrid_kv_plugin.sim.geometry import HybridGeometry
-    from hybrid_kv_plugin.sim.replay import DEFAULT_CONFIGS, replay
-    from hybrid_kv_plugin.sim.workload import default_workload, load_trace
+    if args.compare:
+        return render_comparison(args.compare, out)
+    if args.plot:
+        _require_matplotlib()
+    from hybrid_kv_plugin.sim.replay import replay
 
-    if args.trace:
-        with open(args.trace, encoding="utf-8") as handle:
-            workload = load_trace(handle)
-    else:
-        workload = default_workload(seed=args.seed, scale=args.scale)
-    geometry = HybridGeometry(
-        attention_block_size=args.attention_block_size,
-        mamba_block_size=args.mamba_block_size,
-        hash_block_size=args.prefix_match_unit,
-        num_gpu_blocks=args.gpu_blocks,
-    )
-    show_progress = not args.json and sys.stderr.isatty()
+    segments = load_segments(args)
+    settings = settings_from(args)
+    configs = choose_configs(args.configs, segments)
+    total = sum(len(s.requests) for s in segments)
+    progress = Progress(total * len(configs))
     results = []
-    for config in DEFAULT_CONFIGS:
-        progress = None
-        if show_progress:
-            def progress(done: int, name: str = config.name) -> None:
-                sys.stderr.write(f"\r{name}: {done}/{len(workload)} requests")
-                sys.stderr.flush()
-        results.append(replay(workload, geometry, config, cpu_bytes=args.cpu_bytes, progress=progress))
-        if show_progress:
-            sys.stderr.write("\n")
+    for config in configs:
+        progress.start(config.name)
+        results.append(replay(segments, settings, config, progress=progress.update))
+        progress.finish_run(total)
+    progress.close()
+    report = build_report(segments, settings, results, per_request=args.per_request)
+    if args.plot:
+        plot_report(report, args.plot)
+    if args.json:
+        out.write(json.dumps(report, indent=2) + "\n")
+    else:
+        render_report(report, out)
+        if args.plot:
+            out.write(f"\nplot written to {args.plot}\n")
+    return 0
+
+
+def build_report(segments: Sequence[Any], settings: Any, results: Sequence[Any], per_request: bool = False) -> dict:
+    from dataclasses import asdict
+
+    from hybrid_kv_plugin import __version__
     from hybrid_kv_plugin.registration import current_adapter
 
-    version = current_adapter().version
-    if args.json:
-        out.write(json.dumps({"vllm": version, "results": [r.as_dict() for r in results]}, indent=2) + "\n")
-        return 0
-    out.write(f"hybrid-kv replay on vLLM {version}: {len(workload)} requests, geometry FA {geometry.attention_block_size} / "
-              f"Mamba {geometry.mamba_block_size} {geometry.mamba_cache_mode} / prefix-match unit {geometry.hash_block_size}\n\n")
+    return {
+        "vllm": current_adapter().version,
+        "plugin": __version__,
+        "settings": asdict(settings),
+        "segments": [{"name": s.name, "requests": len(s.requests), "eagle": bool(s.eagle)} for s in segments],
+        "results": [r.as_dict(per_request=per_request) for r in results],
+    }
+
+
+# ---------------------------------------------------------------------------- rendering
+def render_report(report: dict, out: TextIO) -> None:
+    from hybrid_kv_plugin.sim.attribution import Bucket
+
+    w = out.write
+    s = report["settings"]
+    segs = ", ".join(f"{x['name']} {x['requests']}{' with EAGLE' if x['eagle'] else ''}" for x in report["segments"])
+    requests = sum(x["requests"] for x in report["segments"])
+    w(f"hybrid-kv replay on vLLM {report['vllm']}: {requests} requests ({segs})\n")
+    w(
+        f"geometry: FA {s['attention_block_size']} / Mamba {s['mamba_block_size']} {s['mamba_cache_mode']} / "
+        f"prefix-match unit {s['prefix_match_unit']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n\n"
+    )
+    results = report["results"]
     header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")
-    out.write("{:<8} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
+    w("{:<16} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
     for r in results:
-        out.write(
-            f"{r.name:<8} {r.prompt_tokens:>10} {r.ideal_tokens:>7} {r.reused_tokens:>7} {r.reused_gpu_tokens:>9} "
-            f"{r.reused_cpu_tokens:>9} {r.lost_tokens:>6} {r.efficiency:>10.3f} {r.steps:>6}\n"
+        if "refused" in r:
+            w(f"{r['name']:<16} refused: {r['refused']}\n")
+            continue
+        w(
+            f"{r['name']:<16} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
+            f"{r['reused_gpu_tokens']:>9} {r['reused_cpu_tokens']:>9} {r['lost_tokens']:>6} "
+            f"{r['efficiency']:>10.3f} {r['steps']:>6}\n"
         )
+    ran = [r for r in results if "refused" not in r]
+    if not ran:
+        return
+    names = [r["name"] for r in ran]
+    width = max(16, *(len(n) + 1 for n in names))
+    row = "{:<32}" + "".join(f" {{:>{width}}}" for _ in names) + "\n"
+    if len(report["segments"]) > 1:
+        w("\nefficiency by segment\n")
+        for i, seg in enumerate(report["segments"]):
+            label = f"  {seg['name']}{' (EAGLE)' if seg['eagle'] else ''}"
+            w(row.format(label, *(f"{r['segments'][i]['efficiency']:.3f}" for r in ran)))
+    if all(r["loss"] is not None for r in ran):
+        w("\nloss attribution (tokens)" + " " * 7 + "".join(f" {n:>{width}}" for n in names) + "\n")
+        for bucket in Bucket:
+            values = [r["loss"][bucket.value] for r in ran]
+            if bucket is Bucket.UNEXPLAINED and not any(values):
+                continue
+            w(row.format(f"  {bucket.label}", *values))
+        w(row.format("  total lost", *(r["lost_tokens"] for r in ran)))
+        w(row.format("reused / reachable", *(f"{r['efficiency_of_reachable']:.3f}" for r in ran)))
+        w("  (reachable = ideal - no Mamba state - EAGLE prune: what a cache could have served)\n")
+    if any(r["boundary_stats"] is not None for r in ran):
+        w("\nboundary hand-offs (connector counters; - = the connector has none)\n")
+        from hybrid_kv_plugin.sim.replay import STORE_FIELDS
+
+        for field in STORE_FIELDS:
+            values = [r["boundary_stats"][field] if r["boundary_stats"] is not None else "-" for r in ran]
+            w(row.format(f"  {field}", *values))
+
+
+_COMPARE_ROWS = (
+    ("ideal tokens", lambda r: r["ideal_tokens"]),
+    ("reused from GPU", lambda r: r["reused_gpu_tokens"]),
+    ("reused from CPU", lambda r: r["reused_cpu_tokens"]),
+    ("efficiency", lambda r: f"{r['efficiency']:.3f}"),
+    ("reused / reachable", lambda r: _fmt(r.get("efficiency_of_reachable"))),
+    ("scheduler steps", lambda r: r["steps"]),
+)
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_comparison(paths: Sequence[str], out: TextIO) -> int:
+    """Side by side: one column group per saved report (wheel), one column per configuration."""
+    from hybrid_kv_plugin.sim.attribution import Bucket
+
+    reports = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                reports.append(json.load(handle))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"hybrid-kv: --compare {path}: {exc}") from None
+    columns = [(f"vLLM {report['vllm']}", r["name"], r) for report in reports for r in report["results"]]
+    cell = max(10, *(len(name) for _, name, _ in columns)) + 1
+    groups: list[tuple[str, int]] = []
+    for wheel, _, _ in columns:
+        if groups and groups[-1][0] == wheel:
+            groups[-1] = (wheel, groups[-1][1] + 1)
+        else:
+            groups.append((wheel, 1))
+    rows = list(_COMPARE_ROWS) + [
+        (f"lost: {b.label}", lambda r, b=b: (r.get("loss") or {}).get(b.value, "-")) for b in Bucket
+    ]
+    width = max(len(label) for label, _ in rows) + 1
+    lines = [
+        " " * width + "".join(f" | {g:<{n * cell - 1}}" for g, n in groups),
+        " " * width + _grouped([name for _, name, _ in columns], groups, cell),
+    ]
+    for label, get in rows:
+        values = [("refused" if "refused" in r else get(r)) for _, _, r in columns]
+        if label.startswith("lost: ") and all(v in (0, "-", "refused") for v in values):
+            continue
+        lines.append(f"{label:<{width}}" + _grouped([str(v) for v in values], groups, cell))
+    out.write("".join(line.rstrip() + "\n" for line in lines))
     return 0
+
+
+def _grouped(values: list[str], groups: list[tuple[str, int]], cell: int) -> str:
+    text, i = "", 0
+    for _, n in groups:
+        text += " |" + "".join(f"{v:>{cell}}" for v in values[i : i + n])
+        i += n
+    return text
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "hybrid-kv: --plot needs matplotlib, which is not installed here; "
+            "install the optional extra: pip install 'hybrid-kv-plugin[plot]'"
+        ) from None
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Grouped bars per configuration: ideal, reused from the GPU, reused from the CPU (stacked)."""
+    _require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in report["results"] if "refused" not in r]
+    names = [r["name"] for r in ran]
+    x = list(range(len(ran)))
+    fig, ax = plt.subplots(figsize=(1.8 * max(len(ran), 2) + 2, 4))
+    ax.bar([i - 0.2 for i in x], [r["ideal_tokens"] for r in ran], width=0.4, label="ideal", color="#bbbbbb")
+    gpu = [r["reused_gpu_tokens"] for r in ran]
+    ax.bar([i + 0.2 for i in x], gpu, width=0.4, label="reused from GPU", color="#3b75af")
+    ax.bar(
+        [i + 0.2 for i in x], [r["reused_cpu_tokens"] for r in ran], width=0.4, bottom=gpu,
+        label="reused from CPU", color="#ef8636",
+    )
+    for i, r in enumerate(ran):
+        ax.text(i + 0.2, r["reused_tokens"], f"{r['efficiency']:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("tokens")
+    ax.set_title(f"hybrid-kv replay on vLLM {report['vllm']}: reused vs ideal")
+    ax.set_ylim(0, 1.18 * max([r["ideal_tokens"] for r in ran] + [1]))
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,7 +1,9 @@
 """Validate the parts of a ``vllm serve`` command line that the plugin reads, before a GPU is involved.
 
 Only the flags below are interpreted; everything else is left to vLLM. The verdict names
-the minimum cacheable prefix and the reuse granularity of the geometry on this wheel.
+the minimum cacheable prefix and the reuse granularity of the geometry on this wheel, and,
+whenever speculative decoding or the junction switch is involved, whether the junction
+checkpoint would take effect and, if not, why.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from typing import Any
 
 from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin.adapters import Feature
-from hybrid_kv_plugin.config import PluginConfigError, connector_options_from, plugin_config_from
+from hybrid_kv_plugin.config import ENV_SHARED_PREFIX_CHECKPOINT, PluginConfigError, connector_options_from, plugin_config_from
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MAMBA_CACHE_MODES = ("none", "align", "all")
+# Speculative methods whose drafter needs the last matched prefix block dropped (EAGLE-style:
+# a draft position's KV depends on the next token); others keep every matched block.
+EAGLE_DROP_METHODS = ("eagle", "eagle3", "mtp")
+SWITCH_HINT = "--additional-config '{\"hybrid_kv\":{\"mamba_shared_prefix_checkpoint\":true}}'"
 
 
 @dataclass
@@ -26,6 +32,10 @@ class ServeVerdict:
     notes: list[str] = field(default_factory=list)
     min_cacheable_prefix: int | None = None
     reuse_granularity: int | None = None
+    mamba_cache_mode: str | None = None  # the mode vLLM would run with
+    # None: not relevant (no speculative decoding, switch off); else whether the junction
+    # checkpoint would act, with the reason.
+    junction_checkpoint: dict[str, Any] | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    # The wheels' own spellings of the junction switch (0.30: fine-grained, 0.31+: shared-prefix).
+    p.add_argument("--enable-mamba-shared-prefix-checkpoint", dest="native_junction", action="store_true")
+    p.add_argument("--enable-mamba-fine-grained-prefix-cache", dest="native_junction", action="store_true")
     return p
 
 
@@ -56,15 +69,32 @@ def _json(value: str | None, flag: str, verdict: ServeVerdict) -> dict[str, Any]
     return parsed
 
 
+def _speculative(spec: dict[str, Any] | None, verdict: ServeVerdict) -> tuple[str | None, int]:
+    """(method, num_speculative_tokens) of ``--speculative-config``; errors for bad values."""
+    if spec is None:
+        return None, 0
+    method = spec.get("method")
+    if method is not None and not isinstance(method, str):
+        verdict.errors.append(f"--speculative-config.method: {method!r} is not a string")
+        method = None
+    tokens = spec.get("num_speculative_tokens", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        verdict.errors.append(f"--speculative-config.num_speculative_tokens: {tokens!r} (allowed: a positive integer)")
+        tokens = 1
+    return method or "draft_model", tokens
+
+
 def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     args, _ = _parser().parse_known_args(argv)
     verdict = ServeVerdict()
     kv = _json(args.kv_transfer_config, "--kv-transfer-config", verdict)
     additional = _json(args.additional_config, "--additional-config", verdict)
-    _json(args.speculative_config, "--speculative-config", verdict)
+    spec_config = _json(args.speculative_config, "--speculative-config", verdict)
+    method, num_spec = _speculative(spec_config, verdict)
+    switch = False
     try:
-        plugin_config_from(additional)
+        switch = plugin_config_from(additional).mamba_shared_prefix_checkpoint
     except PluginConfigError as exc:
         verdict.errors.append(f"--additional-config: {exc}")
     uses_plugin_connector = bool(kv) and kv.get("kv_connector") == CONNECTOR_NAME
@@ -91,16 +121,87 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
             verdict.errors.append(f"--prefix-match-unit: {unit} must divide {name} {size}")
     if verdict.errors:
         return verdict
-    # Granularity of a hit: the prefix-match unit where Mamba states exist at hash
-    # boundaries (align mode + fine-grained support), else whole Mamba blocks.
-    fine_ok = mode == "align" and (
-        not uses_plugin_connector or (fine_grained and adapter.supports(Feature.FINE_GRAINED_CPU_HITS))
-    )
-    verdict.reuse_granularity = unit if fine_ok else max(mamba_block, block)
-    verdict.min_cacheable_prefix = verdict.reuse_granularity
+
+    caching = args.enable_prefix_caching
+    if caching is False:
+        verdict.mamba_cache_mode = mode
+        verdict.notes.append("prefix caching is off (--no-enable-prefix-caching): no request reuses a prefix")
+    else:
+        if caching is None:
+            verdict.notes.append(
+                "prefix caching not given: vLLM turns it on only where the model supports it; "
+                "pass --enable-prefix-caching to be sure"
+            )
+        if mode == "none":
+            # vLLM's Mamba model config does the same when prefix caching is on.
+            mode = "align"
+            verdict.notes.append("--mamba-cache-mode not set: vLLM picks align once prefix caching is on")
+        verdict.mamba_cache_mode = mode
+        # Granularity of a hit: the prefix-match unit where Mamba states exist at hash
+        # boundaries (align mode + fine-grained support), else whole Mamba blocks.
+        fine_ok = mode == "align" and (
+            not uses_plugin_connector or (fine_grained and adapter.supports(Feature.FINE_GRAINED_CPU_HITS))
+        )
+        verdict.reuse_granularity = unit if fine_ok else max(mamba_block, block)
+        verdict.min_cacheable_prefix = verdict.reuse_granularity
     if uses_plugin_connector and fine_grained and not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
         verdict.notes.append(
             f"{CONNECTOR_NAME} fine-grained hits are unavailable on vLLM {adapter.version} "
             "(needs >= 0.29.0): set kv_connector_extra_config.fine_grained_hits=false or upgrade"
         )
+    switch = switch or bool(args.native_junction)
+    if method is not None or switch:
+        effective, reason = _junction_verdict(
+            adapter, switch, method, num_spec, spec_config or {}, caching, mode, unit, mamba_block
+        )
+        verdict.junction_checkpoint = {"switch": switch, "effective": effective, "reason": reason}
     return verdict
+
+
+def _junction_verdict(
+    adapter: Any,
+    switch: bool,
+    method: str | None,
+    num_spec: int,
+    spec_config: dict[str, Any],
+    caching: bool | None,
+    mode: str,
+    unit: int,
+    mamba_block: int,
+) -> tuple[bool, str]:
+    """Whether the junction checkpoint would act, in the order its gate checks; the reason either way."""
+    support = adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT)
+    if not adapter.supports(Feature.MAMBA_JUNCTION_CHECKPOINT):
+        return False, f"unavailable on vLLM {adapter.version}: {support.reason}"
+    if method is None:
+        return False, (
+            "no speculative decoding: without EAGLE's dropped block the block-floored junction "
+            "already serves siblings, so the switch changes nothing"
+        )
+    if method not in EAGLE_DROP_METHODS:
+        return False, f"speculative method {method!r} keeps every matched block (no EAGLE block drop)"
+    if spec_config.get("disable_eagle_block_drop"):
+        return False, "disable_eagle_block_drop is set: the EAGLE block drop is off"
+    if not switch:
+        return False, (
+            f"the switch is off; with {method} a sibling's hit stops one block short of the shared-prefix "
+            f"junction, where no Mamba state is kept: turn it on with {SWITCH_HINT} "
+            f"(or {ENV_SHARED_PREFIX_CHECKPOINT}=1)"
+        )
+    if caching is False:
+        return False, "prefix caching is off"
+    if mode != "align":
+        return False, f"--mamba-cache-mode {mode}: the junction state is only kept in align mode"
+    if unit >= mamba_block:
+        return False, (
+            f"partial hash hits are disabled: --prefix-match-unit {unit} is not finer than the Mamba block "
+            f"{mamba_block}, so a junction inside a Mamba block is unreachable"
+        )
+    caveat = ""
+    if method == "mtp" and num_spec > 1:
+        caveat = "; if the MTP drafter has several modules it re-prefills a tail and the gate stays closed"
+    how = "natively" if support.support.value == "native" else "through the plugin's backport"
+    return True, (
+        f"{method} drops the last matched block; the Mamba state at each shared-prefix junction "
+        f"(one hash unit lower) is kept {how}, one extra state block per junction{caveat}"
+    )

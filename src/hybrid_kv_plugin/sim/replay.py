@@ -1,4 +1,17 @@
-"""Replay a workload through the real scheduler once per configuration (stock vs plugin)."""
+"""Replay a workload through the installed wheel's real scheduler, once per configuration.
+
+A configuration is the stock SimpleCPU connector with the plugin unregistered, or the
+plugin registered with ``HybridSimpleCPUConnector`` (junction switch off / on). Each
+workload segment runs on a fresh :class:`~hybrid_kv_plugin.sim.engine.SimEngine`; the
+plugin is registered for the configuration's run only and the caller's registration
+state is restored afterwards.
+
+With ``observe=True`` the run also records the facts the loss attribution needs
+(:mod:`hybrid_kv_plugin.sim.attribution`): it wraps, on this engine's instances only,
+the scheduler's ``update_from_output``, the connector's ``build_connector_meta`` and
+``get_num_new_matched_tokens``, and the CPU pool's eviction hook. Wrappers only read;
+every answer vLLM gives is passed through unchanged. The benchmark runs unobserved.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +19,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
-from hybrid_kv_plugin.sim.workload import TraceRequest, ideal_reuse
+from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, prefix_keys
 
 STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
+STORE_FIELDS = (
+    "published",
+    "stored",
+    "dropped_cpu_full",
+    "dropped_request_gone",
+    "dropped_null_block",
+    "dropped_not_hashed",
+    "skipped_already_cached",
+    "skipped_in_flight",
+)
 
 
 @dataclass(frozen=True)
@@ -25,19 +49,77 @@ class ReplayConfig:
         return CONNECTOR_NAME if self.plugin else STOCK_CONNECTOR
 
 
-DEFAULT_CONFIGS = (ReplayConfig("stock", plugin=False), ReplayConfig("plugin", plugin=True))
+CONFIGS = {
+    "stock": ReplayConfig("stock", plugin=False),
+    "plugin": ReplayConfig("plugin", plugin=True),
+    "plugin+junction": ReplayConfig("plugin+junction", plugin=True, mamba_shared_prefix_checkpoint=True),
+}
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """Geometry and pool sizes shared by every segment (EAGLE may differ per segment)."""
+
+    attention_block_size: int = 16
+    mamba_block_size: int = 64
+    prefix_match_unit: int = 16
+    mamba_cache_mode: str = "align"
+    gpu_blocks: int = 1024
+    cpu_blocks: int = 8192
+    eagle: bool = False  # for segments that do not choose
+    num_speculative_tokens: int = 1
+    # Steps the simulated worker takes to complete a connector transfer (in-flight stores
+    # hold their CPU blocks meanwhile).
+    transfer_delay_steps: int = 0
+
+    def geometry(self, segment: Segment) -> HybridGeometry:
+        longest = max((len(r.history()) for r in segment.requests), default=0)
+        return HybridGeometry(
+            attention_block_size=self.attention_block_size,
+            mamba_block_size=self.mamba_block_size,
+            hash_block_size=self.prefix_match_unit,
+            mamba_cache_mode=self.mamba_cache_mode,
+            num_gpu_blocks=self.gpu_blocks,
+            max_model_len=max(4096, longest + 64),
+            eagle=self.eagle if segment.eagle is None else segment.eagle,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
 
 
 @dataclass
-class ReplayResult:
+class SegmentResult:
     name: str
+    eagle: bool
     requests: int
     prompt_tokens: int
     ideal_tokens: int
     reused_gpu_tokens: int
     reused_cpu_tokens: int
     steps: int
-    per_request: dict[str, dict[str, int]] = field(default_factory=dict)
+    cpu_blocks: int | None
+    loss: dict[str, int] | None  # None: the run was not observed
+    boundary_stats: dict[str, int] | None  # None: the connector has no counters
+    cpu_evictions: int | None = None
+    per_request: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _total(attr: str) -> Any:
+    """A read-only property summing one :class:`SegmentResult` field over the segments."""
+    return property(lambda self: sum(getattr(s, attr) for s in self.segments))
+
+
+@dataclass
+class ReplayResult:
+    name: str
+    segments: list[SegmentResult] = field(default_factory=list)
+    refused: str | None = None  # the configuration could not start on this wheel (the message)
+
+    requests = _total("requests")
+    prompt_tokens = _total("prompt_tokens")
+    ideal_tokens = _total("ideal_tokens")
+    reused_gpu_tokens = _total("reused_gpu_tokens")
+    reused_cpu_tokens = _total("reused_cpu_tokens")
+    steps = _total("steps")
 
     @property
     def reused_tokens(self) -> int:
@@ -45,13 +127,42 @@ class ReplayResult:
 
     @property
     def lost_tokens(self) -> int:
-        return sum(max(r["ideal"] - r["reused"], 0) for r in self.per_request.values())
+        return sum(
+            max(r["ideal"] - r["reused"], 0) for s in self.segments for r in s.per_request.values()
+        )
 
     @property
     def efficiency(self) -> float:
         return self.reused_tokens / self.ideal_tokens if self.ideal_tokens else 1.0
 
-    def as_dict(self) -> dict[str, Any]:
+    @property
+    def loss(self) -> dict[str, int] | None:
+        if any(s.loss is None for s in self.segments):
+            return None
+        sums = {b.value: 0 for b in Bucket}
+        for segment in self.segments:
+            for bucket, tokens in (segment.loss or {}).items():
+                sums[bucket] += tokens
+        return sums
+
+    @property
+    def reachable_tokens(self) -> int | None:
+        """The ideal less what no cache could serve (no Mamba state there, or EAGLE's dropped block)."""
+        loss = self.loss
+        if loss is None:
+            return None
+        return self.ideal_tokens - loss[Bucket.NO_MAMBA_STATE.value] - loss[Bucket.EAGLE_PRUNE.value]
+
+    @property
+    def boundary_stats(self) -> dict[str, int] | None:
+        if any(s.boundary_stats is None for s in self.segments):
+            return None
+        return {f: sum((s.boundary_stats or {})[f] for s in self.segments) for f in STORE_FIELDS}
+
+    def summary(self) -> dict[str, Any]:
+        """The report's numbers for this configuration (no per-request detail)."""
+        if self.refused is not None:
+            return {"name": self.name, "refused": self.refused}
         return {
             "name": self.name,
             "requests": self.requests,
@@ -62,76 +173,385 @@ class ReplayResult:
             "reused_cpu_tokens": self.reused_cpu_tokens,
             "lost_tokens": self.lost_tokens,
             "efficiency": round(self.efficiency, 4),
+            "reachable_tokens": self.reachable_tokens,
+            "efficiency_of_reachable": _ratio(self.reused_tokens, self.reachable_tokens),
             "steps": self.steps,
+            "loss": self.loss,
+            "boundary_stats": self.boundary_stats,
         }
+
+    def as_dict(self, per_request: bool = False) -> dict[str, Any]:
+        out = self.summary()
+        if self.refused is None:
+            out["segments"] = [_segment_dict(s, per_request) for s in self.segments]
+        return out
+
+
+def _ratio(part: int, whole: int | None) -> float | None:
+    if whole is None:
+        return None
+    return round(part / whole, 4) if whole else 1.0
+
+
+def _segment_dict(segment: SegmentResult, per_request: bool) -> dict[str, Any]:
+    reused = segment.reused_gpu_tokens + segment.reused_cpu_tokens
+    out: dict[str, Any] = {
+        "name": segment.name,
+        "eagle": segment.eagle,
+        "requests": segment.requests,
+        "prompt_tokens": segment.prompt_tokens,
+        "ideal_tokens": segment.ideal_tokens,
+        "reused_tokens": reused,
+        "reused_gpu_tokens": segment.reused_gpu_tokens,
+        "reused_cpu_tokens": segment.reused_cpu_tokens,
+        "efficiency": round(reused / segment.ideal_tokens, 4) if segment.ideal_tokens else 1.0,
+        "steps": segment.steps,
+        "cpu_blocks": segment.cpu_blocks,
+        "cpu_evictions": segment.cpu_evictions,
+        "loss": segment.loss,
+        "boundary_stats": segment.boundary_stats,
+    }
+    if per_request:
+        out["per_request"] = segment.per_request
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+class StepTimer:
+    """CPU time spent inside ``scheduler.schedule()`` + ``update_from_output()`` (nothing else)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.clock = clock or time.process_time
+        self.seconds = 0.0
+        self.steps = 0
+
+    def install(self, scheduler: Any) -> None:
+        clock = self.clock
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+
+        def timed_schedule() -> Any:
+            start = clock()
+            out = schedule()
+            self.seconds += clock() - start
+            self.steps += 1
+            return out
+
+        def timed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
+            start = clock()
+            out = update(scheduler_output, model_runner_output)
+            self.seconds += clock() - start
+            return out
+
+        scheduler.schedule = timed_schedule
+        scheduler.update_from_output = timed_update
 
 
 def replay(
-    workload: Sequence[TraceRequest],
-    geometry: HybridGeometry,
+    segments: Sequence[Segment],
+    settings: ReplaySettings,
     config: ReplayConfig,
     *,
-    cpu_bytes: int = 1 << 26,
+    observe: bool = True,
+    per_request: bool = True,
     progress: Callable[[int], None] | None = None,
+    timer: StepTimer | None = None,
 ) -> ReplayResult:
-    """Run ``workload`` wave by wave; the plugin is registered (or not) for this run only."""
+    """Run every segment under ``config``; the plugin is registered (or not) for this run only.
+
+    ``progress(n)`` is called with the number of requests done so far (all segments).
+    """
     import hybrid_kv_plugin
+    from hybrid_kv_plugin.config import PluginConfigError
     from hybrid_kv_plugin.registration import STATE
-    from hybrid_kv_plugin.sim.engine import SimEngine
 
     was_active = STATE.status == "active"
     hybrid_kv_plugin.uninstall()
-    if config.plugin:
-        hybrid_kv_plugin.register()
-        if STATE.status != "active":
-            raise RuntimeError(f"the plugin is not active on this vLLM: {STATE.reason}")
+    result = ReplayResult(config.name)
     try:
-        additional = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}} if config.mamba_shared_prefix_checkpoint else None
-        engine = SimEngine(
-            geometry,
+        if config.plugin:
+            hybrid_kv_plugin.register()
+            if STATE.status != "active":
+                result.refused = f"the plugin is {STATE.status} on this vLLM: {STATE.reason}"
+                return result
+        done = 0
+        for segment in segments:
+            try:
+                run = _SegmentRun(segment, settings, config, observe=observe, timer=timer)
+            except PluginConfigError as exc:
+                result.refused = str(exc)
+                return result
+            done = run.run(progress, done)
+            result.segments.append(run.result(per_request))
+    finally:
+        hybrid_kv_plugin.uninstall()
+        if was_active:
+            hybrid_kv_plugin.register()
+    return result
+
+
+@dataclass
+class _Pending:
+    """What the connector was asked for one request before its first scheduling."""
+
+    local: int  # the block-aligned local hit the scheduler handed to the connector
+    beyond: int  # what the CPU tier held contiguously beyond it
+    grid_units: int
+    grid_fate: Fate
+    cpu_evicted_before: bool
+
+
+class _SegmentRun:
+    def __init__(
+        self,
+        segment: Segment,
+        settings: ReplaySettings,
+        config: ReplayConfig,
+        *,
+        observe: bool,
+        timer: StepTimer | None,
+    ) -> None:
+        from hybrid_kv_plugin.sim.engine import SimEngine, TransferPolicy
+
+        self.segment = segment
+        self.geometry = settings.geometry(segment)
+        additional = (
+            {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}} if config.mamba_shared_prefix_checkpoint else None
+        )
+        # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
+        # as cpu_bytes // page bytes for this single-tensor layout).
+        cpu_bytes = settings.cpu_blocks * self.geometry.attention_page_bytes
+        self.engine = SimEngine(
+            self.geometry,
             kv_connector=config.connector,
             kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
             additional_config=additional,
+            transfer_policy=TransferPolicy(delay_steps=settings.transfer_delay_steps),
         )
-        ideal = ideal_reuse(workload, engine.hash_block_size)
+        self.unit = self.engine.hash_block_size
+        self.ideal = ideal_reuse(segment.requests, self.unit)
+        self.requests: dict[str, TraceRequest] = {r.request_id: r for r in segment.requests}
+        self.observed = observe
+        self.cpu_evictions = 0
+        if observe:
+            self._install_observers()
+        if timer is not None:
+            timer.install(self.engine.scheduler)
+
+    # ------------------------------------------------------------------ driving
+    def run(self, progress: Callable[[int], None] | None, done: int) -> int:
+        engine = self.engine
         waves: dict[int, list[TraceRequest]] = {}
-        for request in workload:
+        for request in self.segment.requests:
             waves.setdefault(request.wave, []).append(request)
-        done = 0
         for wave in sorted(waves):
             batch = waves[wave]
-            if any(r.evict_gpu_before for r in batch):
-                if not engine.reset_prefix_cache():
-                    raise RuntimeError(f"wave {wave}: the GPU prefix cache could not be reset")
+            if any(r.evict_gpu_before for r in batch) and not engine.reset_prefix_cache():
+                raise RuntimeError(f"segment {self.segment.name}, wave {wave}: the GPU prefix cache could not be reset")
             for request in batch:
                 engine.add_request(request.request_id, request.prompt_token_ids, max_tokens=request.max_tokens)
             engine.run_until_idle()
             done += len(batch)
             if progress:
                 progress(done)
-    finally:
-        hybrid_kv_plugin.uninstall()
-        if was_active:
-            hybrid_kv_plugin.register()
+        return done
 
-    result = ReplayResult(
-        name=config.name,
-        requests=len(workload),
-        prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),
-        ideal_tokens=sum(ideal.values()),
-        reused_gpu_tokens=0,
-        reused_cpu_tokens=0,
-        steps=len(engine.steps),
-    )
-    for request in workload:
-        outcome = engine.outcomes[request.request_id]
-        hit = outcome.hit_tokens or 0
-        result.reused_cpu_tokens += outcome.external_tokens
-        result.reused_gpu_tokens += hit - outcome.external_tokens
-        result.per_request[request.request_id] = {
-            "prompt": len(request.prompt_token_ids),
-            "ideal": ideal[request.request_id],
-            "reused": hit,
-            "cpu": outcome.external_tokens,
-        }
-    return result
+    def result(self, per_request: bool) -> SegmentResult:
+        requests = self.segment.requests
+        out = SegmentResult(
+            name=self.segment.name,
+            eagle=self.geometry.eagle,
+            requests=len(requests),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            ideal_tokens=sum(self.ideal.values()),
+            reused_gpu_tokens=0,
+            reused_cpu_tokens=0,
+            steps=len(self.engine.steps),
+            cpu_blocks=getattr(self.engine.offload_manager, "num_cpu_blocks", None),
+            loss=None,
+            boundary_stats=self._store_stats(),
+            cpu_evictions=self.cpu_evictions if self.observed else None,
+        )
+        buckets: dict[str, dict[Bucket, int]] = {}
+        for request in requests:
+            rid = request.request_id
+            outcome = self.engine.outcomes[rid]
+            hit = outcome.hit_tokens or 0
+            out.reused_cpu_tokens += outcome.external_tokens
+            out.reused_gpu_tokens += hit - outcome.external_tokens
+            row: dict[str, Any] = {
+                "prompt": len(request.prompt_token_ids),
+                "ideal": self.ideal[rid],
+                "reused": hit,
+                "cpu": outcome.external_tokens,
+            }
+            if self.observed:
+                buckets[rid] = split_loss(self._admission(rid, hit))
+                row["loss"] = {b.value: n for b, n in buckets[rid].items()}
+            if per_request:
+                out.per_request[rid] = row
+            else:
+                out.per_request[rid] = {"ideal": row["ideal"], "reused": hit}
+        if self.observed:
+            out.loss = total(buckets)
+        return out
+
+    # ------------------------------------------------------------------ observation
+    def _store_stats(self) -> dict[str, int] | None:
+        """The connector's boundary-store counters, where it has them."""
+        read = getattr(self.engine.connector, "get_boundary_store_stats", None)
+        if read is None:
+            return None
+        stats = read()
+        return {f: int(getattr(stats, f, 0)) for f in STORE_FIELDS}
+
+    def _install_observers(self) -> None:
+        engine = self.engine
+        scheduler = engine.scheduler
+        connector = engine.connector
+        self.grid = MambaGrid()
+        self.keys = {rid: prefix_keys(r.history(), self.unit) for rid, r in self.requests.items()}
+        self.pending: dict[str, _Pending] = {}
+        self._dense_grid = not engine.adapter.has_boundary_handoffs
+        # Requests the connector was asked about and not yet seen scheduled / finished; kept
+        # small so per-step bookkeeping does not grow with the workload.
+        self._asked: set[str] = set()
+        self._running: set[str] = set()
+
+        # The hand-offs live on the scheduler output only while the connector builds its
+        # metadata (the scheduler clears them before the output leaves ``schedule()``), and
+        # the connector counts its store outcomes right there.
+        build = connector.build_connector_meta
+
+        def observed_build(scheduler_output: Any) -> Any:
+            handoffs = engine.adapter.boundary_handoffs(scheduler_output)
+            leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+            leaving |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
+            gone = {rid for rid in handoffs if rid in leaving or rid not in scheduler.requests}
+            before = self._store_stats()
+            meta = build(scheduler_output)
+            self._record_handoffs(handoffs, gone, before, self._store_stats())
+            return meta
+
+        connector.build_connector_meta = observed_build
+
+        update = scheduler.update_from_output
+
+        def observed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
+            out = update(scheduler_output, model_runner_output)
+            self._end_step()
+            return out
+
+        scheduler.update_from_output = observed_update
+
+        ask = connector.get_num_new_matched_tokens
+
+        def observed_lookup(request: Any, num_computed_tokens: int) -> Any:
+            self._before_lookup(request, num_computed_tokens)
+            return ask(request, num_computed_tokens)
+
+        connector.get_num_new_matched_tokens = observed_lookup
+
+        pool = getattr(engine.offload_manager, "cpu_block_pool", None)
+        evict = getattr(pool, "_maybe_evict_cached_block", None)
+        if evict is not None:
+
+            def counted_evict(block: Any) -> Any:
+                evicted = evict(block)
+                if evicted:
+                    self.cpu_evictions += 1
+                return evicted
+
+            pool._maybe_evict_cached_block = counted_evict
+
+    def _before_lookup(self, request: Any, local: int) -> None:
+        rid = request.request_id
+        outcome = self.engine.outcomes.get(rid)
+        if rid not in self.requests or outcome is None or outcome.hit_tokens is not None:
+            return  # not ours, or a re-admission after preemption: the first answer counts
+        ideal = self.ideal[rid]
+        beyond = 0
+        coordinator = getattr(self.engine.offload_manager, "cpu_coordinator", None)
+        if coordinator is not None and ideal > local and local % self.unit == 0:
+            # The connector's own question (the CPU tier beyond the local prefix), asked of
+            # its CPU coordinator read-only and capped at what the request shares.
+            hashes = request.block_hashes[local // self.unit :]
+            _blocks, beyond, _uncached = coordinator.find_longest_cache_hit(hashes, ideal - local)
+        # Under EAGLE a state at the ideal itself is out of reach (see attribution step 0).
+        self._asked.add(rid)
+        units, fate = self.grid.best(self.keys[rid], (ideal - self._eagle_drop()) // self.unit)
+        self.pending[rid] = _Pending(local, beyond, units * self.unit, fate, self.cpu_evictions > 0)
+
+    def _eagle_drop(self) -> int:
+        """Tokens the EAGLE lookup matches beyond a hit and drops: one full-attention block."""
+        return self.geometry.attention_block_size if self.geometry.eagle else 0
+
+    def _record_handoffs(
+        self,
+        handoffs: dict[str, list[int]],
+        gone: set[str],
+        before: dict[str, int] | None,
+        after: dict[str, int] | None,
+    ) -> None:
+        growth = None if before is None or after is None else {k: after[k] - before[k] for k in STORE_FIELDS}
+        fate = fate_of_step(growth)
+        for rid, positions in handoffs.items():
+            if rid not in self.requests:
+                continue
+            # A connector with counters declines every hand-off of a request that is leaving.
+            state_fate = Fate.DROPPED if rid in gone and fate is not Fate.UNKNOWN else fate
+            for position in positions:
+                self._add_state(rid, position, state_fate)
+
+    def _end_step(self) -> None:
+        outcomes = self.engine.outcomes
+        for rid in [r for r in self._asked if outcomes[r].hit_tokens is not None]:
+            self._asked.discard(rid)
+            if self._dense_grid:
+                self._running.add(rid)
+            outcome = outcomes[rid]
+            # A served position proves a state there; served from the CPU proves it was offloaded.
+            self._add_state(rid, outcome.hit_tokens, Fate.KEPT if outcome.external_tokens else Fate.UNKNOWN)
+        if self._dense_grid:
+            self._add_dense_states()
+
+    def _add_dense_states(self) -> None:
+        """Wheels without hand-offs keep a state at every whole Mamba block a request computed."""
+        block = self.geometry.mamba_block_size
+        # A request that has left the scheduler has computed all it ever will.
+        for rid in [r for r in self._running if r not in self.engine.scheduler.requests]:
+            self._running.discard(rid)
+            request = self.requests[rid]
+            computed = len(request.prompt_token_ids) + request.max_tokens - 1
+            for position in range(block, computed + 1, block):
+                self._add_state(rid, position, Fate.UNKNOWN)
+
+    def _add_state(self, rid: str, position: int, fate: Fate) -> None:
+        if position <= 0 or position % self.unit:
+            return
+        keys = self.keys[rid]
+        units = position // self.unit
+        if units <= len(keys):
+            self.grid.add(keys[units - 1], fate)
+
+    def _admission(self, rid: str, reused: int) -> Admission:
+        ideal = self.ideal[rid]
+        pending = self.pending.get(rid)
+        if pending is None:
+            # The connector was never asked: nothing observed, so nothing is explained.
+            return Admission(ideal, reused, ideal, Fate.UNKNOWN, ideal, False, 0, False)
+        # With the CPU tier holding a suffix, GPU prefix + CPU suffix was servable. Without, the
+        # best was the GPU hit every group agreed on, which is what the scheduler then used (the
+        # local hit shown to the connector may be deeper in one group only, 0.27+).
+        served = pending.local + pending.beyond if pending.beyond else reused
+        return Admission(
+            ideal=ideal,
+            reused=reused,
+            grid=pending.grid_units,
+            grid_fate=pending.grid_fate,
+            served=served,
+            misaligned=pending.local % self.engine.scheduler_block_size != 0,
+            eagle_drop=self._eagle_drop(),
+            cpu_evicted_before=pending.cpu_evicted_before,
+        )

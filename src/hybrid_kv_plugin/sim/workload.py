@@ -1,9 +1,11 @@
-"""Workloads for ``hybrid-kv replay``: the embedded default, JSONL traces, and the ideal reuse.
+"""Workloads for ``hybrid-kv replay`` / ``bench``: the embedded default, JSONL traces, the ideal reuse.
 
-A workload is a list of :class:`TraceRequest` grouped in *waves*: a wave's requests arrive
-together and run to completion before the next wave; ``evict_gpu_before`` empties the GPU
-prefix cache first (what GPU-cache pressure does in a long-running server), so only the
-CPU tier can serve the wave's reuse.
+A workload is a list of :class:`Segment`. Each segment runs on its own fresh engine
+(GPU prefix cache and CPU tier start empty) with its own speculative setting, so an
+EAGLE part and a plain part can share one report. Inside a segment, requests are
+grouped in *waves*: a wave's requests arrive together and run to completion before
+the next wave; ``evict_gpu_before`` empties the GPU prefix cache first (what GPU-cache
+pressure does in a long-running server), so only the CPU tier can serve that reuse.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 
@@ -24,89 +26,181 @@ class TraceRequest:
     max_tokens: int = 1
     evict_gpu_before: bool = False
 
+    def history(self) -> tuple[int, ...]:
+        """Everything a later request can share with this one: the prompt, then the
+        answer the simulator generates (``max_tokens`` copies of its sampled token)."""
+        return self.prompt_token_ids + (SAMPLED_TOKEN,) * self.max_tokens
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    requests: tuple[TraceRequest, ...]
+    # None: the run-wide choice (``--eagle`` / geometry); True/False: this segment's own.
+    eagle: bool | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def prefix_keys(tokens: Sequence[int], unit: int) -> list[int]:
+    """``keys[k]`` identifies ``tokens[: unit * (k + 1)]`` (whole units only).
+
+    A chained hash of int tuples: equal prefixes give equal keys in every process
+    (int/tuple hashing does not depend on PYTHONHASHSEED), and building all keys of
+    a request costs one pass over its tokens.
+    """
+    keys: list[int] = []
+    previous = 0
+    for end in range(unit, len(tokens) + 1, unit):
+        previous = hash((previous, tuple(tokens[end - unit : end])))
+        keys.append(previous)
+    return keys
+
 
 def ideal_reuse(requests: Sequence[TraceRequest], hash_block_size: int) -> dict[str, int]:
-    """Per request: the longest prefix shared with any *earlier* request, floored to the hash
-    unit, leaving at least one prompt token to compute.
+    """Per request: the longest prefix shared with any *earlier* request (list order),
+    floored to the hash unit, leaving at least one prompt token to compute.
 
-    Earlier requests contribute their prompt and the output tokens the simulator generates
-    for them (a conversation's next turn repeats the previous answer).
+    Earlier requests contribute their whole history (prompt + generated answer): a
+    conversation's next turn repeats the previous answer.
     """
-    seen: set[tuple[int, ...]] = set()
+    seen: set[int] = set()
     ideal: dict[str, int] = {}
     for request in requests:
-        tokens = request.prompt_token_ids
-        limit = (len(tokens) - 1) // hash_block_size * hash_block_size
-        shared = 0
-        while shared + hash_block_size <= limit and tokens[: shared + hash_block_size] in seen:
-            shared += hash_block_size
-        ideal[request.request_id] = shared
-        history = tokens + (SAMPLED_TOKEN,) * request.max_tokens
-        for end in range(hash_block_size, len(history) + 1, hash_block_size):
-            seen.add(history[:end])
+        limit_units = (len(request.prompt_token_ids) - 1) // hash_block_size
+        keys = prefix_keys(request.prompt_token_ids[: limit_units * hash_block_size], hash_block_size)
+        shared_units = 0
+        for key in keys:
+            if key not in seen:
+                break
+            shared_units += 1
+        ideal[request.request_id] = shared_units * hash_block_size
+        seen.update(prefix_keys(request.history(), hash_block_size))
     return ideal
 
 
-def default_workload(seed: int = 0, scale: int = 1) -> list[TraceRequest]:
-    """Multi-turn conversations whose prompts end off the Mamba grid, agentic siblings sharing a
-    long system prompt, and waves that follow a GPU-cache eviction so the CPU tier must serve."""
+# ---------------------------------------------------------------------------- the embedded default
+def default_workload(seed: int = 0, scale: int = 1) -> list[Segment]:
+    """Two segments, ``scale`` times over (31 requests per unit of scale).
+
+    ``chat`` (no speculative decoding): conversations of four turns whose prompts end
+    off the Mamba grid. Turns 1 and 3 follow a GPU-cache eviction, so their reuse (the
+    previous turn's prompt and answer) can only come from the CPU tier; turn 2 finds it
+    on the GPU. The conversations of one turn arrive together.
+
+    ``agents`` (EAGLE): per family, a root request carrying a long system prompt; a first
+    sibling while the root's blocks are on the GPU; a second sibling one wave later; then,
+    after a GPU-cache eviction, two siblings that can only find the system prompt on the
+    CPU tier. Siblings share the system prompt but not the root's task, so their reuse
+    stops at a junction that only the junction checkpoint keeps a Mamba state for.
+    """
     rng = random.Random(seed)
-    out: list[TraceRequest] = []
-    wave = 0
 
     def fresh(n: int) -> tuple[int, ...]:
         return tuple(rng.randrange(1, 1000) for _ in range(n))
 
-    for conversation in range(4 * scale):
-        history = fresh(rng.choice((150, 200, 250, 300)))
-        for turn in range(3):
+    chat: list[TraceRequest] = []
+    conversations = [fresh(rng.choice((150, 200, 250, 300))) for _ in range(4 * scale)]
+    for turn in range(4):
+        for number, history in enumerate(conversations):
             max_tokens = rng.choice((2, 4, 6))
-            out.append(TraceRequest(f"conv{conversation}-t{turn}", wave, history, max_tokens, evict_gpu_before=turn > 0))
-            wave += 1
-            history = history + (SAMPLED_TOKEN,) * max_tokens + fresh(rng.choice((21, 37, 53, 70)))
+            evict = turn in (1, 3)
+            chat.append(TraceRequest(f"conv{number}-t{turn}", turn, history, max_tokens, evict_gpu_before=evict))
+            conversations[number] = history + (SAMPLED_TOKEN,) * max_tokens + fresh(rng.choice((21, 37, 53, 70)))
+
+    agents: list[TraceRequest] = []
+    wave = 0
     for family in range(3 * scale):
         system = fresh(rng.choice((260, 330, 410)))
-        out.append(TraceRequest(f"agent{family}-root", wave, system + fresh(19), 4))
-        wave += 1
-        siblings = [TraceRequest(f"agent{family}-s{k}", wave, system + fresh(rng.choice((23, 45, 67))), 2, evict_gpu_before=k == 0) for k in range(3)]
-        out.extend(siblings)
-        wave += 1
-    return out
+        agents.append(TraceRequest(f"agent{family}-root", wave, system + fresh(rng.choice((37, 45, 53))), 4))
+        for k, sibling_wave in enumerate((wave + 1, wave + 2, wave + 3, wave + 3)):
+            sibling = system + fresh(rng.choice((23, 45, 67)))
+            evict = k == 2
+            agents.append(TraceRequest(f"agent{family}-s{k}", sibling_wave, sibling, 2, evict_gpu_before=evict))
+        wave += 4
+    return [Segment("chat", tuple(chat), eagle=False), Segment("agents", tuple(agents), eagle=True)]
 
 
-def load_trace(lines: Iterable[str]) -> list[TraceRequest]:
-    """JSONL, one request per line. Either ``{"id", "tokens": [...]}`` or the synthetic form
-    ``{"id", "prefix_id", "prefix_len", "suffix_len"}`` (requests with the same ``prefix_id``
-    share their first ``prefix_len`` tokens). Optional: ``wave`` (default: one wave per line),
-    ``max_tokens`` (default 1), ``evict_gpu_before`` (default false)."""
+def workload_of_size(num_requests: int, seed: int = 0) -> list[Segment]:
+    """The default mix scaled to at least ``num_requests`` requests (the benchmark's large run)."""
+    per_scale = sum(len(s.requests) for s in default_workload(seed, 1))
+    return default_workload(seed, max(1, -(-num_requests // per_scale)))
+
+
+def with_eagle(segments: Sequence[Segment], eagle: bool | None) -> list[Segment]:
+    """Force every segment's speculative setting (``None`` keeps each segment's own)."""
+    if eagle is None:
+        return list(segments)
+    return [replace(s, eagle=eagle) for s in segments]
+
+
+# ---------------------------------------------------------------------------- JSONL traces
+def load_trace(lines: Iterable[str]) -> list[Segment]:
+    """JSONL, one request per line; see the README's "Trace format". Per line:
+
+    * ``id`` (default ``line<N>``);
+    * the prompt, one of: ``tokens`` (a list of token ids); ``prefix_id`` +
+      ``prefix_len`` + ``suffix_len`` (lines with the same ``prefix_id`` share their first
+      ``prefix_len`` tokens, the suffix is fresh); ``continues`` (the id of an earlier
+      line: its prompt and generated answer) + ``suffix_len``;
+    * optional ``max_tokens`` (1), ``wave`` (the line number), ``evict_gpu_before``
+      (false), ``segment`` ("main"), ``eagle`` (unset: the run's ``--eagle`` choice).
+
+    Segments keep the order of their first line; one segment's lines must agree on ``eagle``.
+    """
     prefixes: dict[str, tuple[int, ...]] = {}
-    out: list[TraceRequest] = []
+    by_id: dict[str, TraceRequest] = {}
+    segments: dict[str, list[TraceRequest]] = {}
+    eagle: dict[str, bool | None] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
+            if not isinstance(item, dict):
+                raise ValueError("each line must be a JSON object")
             request_id = str(item.get("id", f"line{number}"))
-            if "tokens" in item:
-                tokens = tuple(int(t) for t in item["tokens"])
-            else:
-                prefix_id = str(item["prefix_id"])
-                rng = random.Random(f"{prefix_id}")
-                prefix_len = int(item["prefix_len"])
-                base = prefixes.setdefault(prefix_id, tuple(rng.randrange(1, 1000) for _ in range(4096)))
-                suffix_rng = random.Random(f"{request_id}/{number}")
-                tokens = base[:prefix_len] + tuple(suffix_rng.randrange(1, 1000) for _ in range(int(item["suffix_len"])))
+            if request_id in by_id:
+                raise ValueError(f"duplicate id {request_id!r}")
+            tokens = _trace_prompt(item, request_id, number, prefixes, by_id)
             if not tokens:
                 raise ValueError("empty prompt")
-            out.append(
-                TraceRequest(
-                    request_id,
-                    int(item.get("wave", number)),
-                    tokens,
-                    int(item.get("max_tokens", 1)),
-                    bool(item.get("evict_gpu_before", False)),
-                )
+            max_tokens = int(item.get("max_tokens", 1))
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+            request = TraceRequest(
+                request_id, int(item.get("wave", number)), tokens, max_tokens, bool(item.get("evict_gpu_before", False))
             )
+            name = str(item.get("segment", "main"))
+            line_eagle = item.get("eagle")
+            if line_eagle is not None and not isinstance(line_eagle, bool):
+                raise ValueError("eagle must be true or false")
+            if name in eagle and line_eagle is not None and eagle[name] not in (None, line_eagle):
+                raise ValueError(f"segment {name!r} mixes eagle true and false")
+            if eagle.get(name) is None:
+                eagle[name] = line_eagle
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace line {number}: {exc}") from None
-    return out
+        by_id[request_id] = request
+        segments.setdefault(name, []).append(request)
+    return [Segment(name, tuple(reqs), eagle=eagle.get(name)) for name, reqs in segments.items()]
+
+
+def _trace_prompt(
+    item: dict, request_id: str, number: int, prefixes: dict[str, tuple[int, ...]], by_id: dict[str, TraceRequest]
+) -> tuple[int, ...]:
+    if "tokens" in item:
+        return tuple(int(t) for t in item["tokens"])
+    suffix = tuple(random.Random(f"{request_id}/{number}").randrange(1, 1000) for _ in range(int(item["suffix_len"])))
+    if "continues" in item:
+        earlier = by_id.get(str(item["continues"]))
+        if earlier is None:
+            raise ValueError(f"continues {item['continues']!r}: no earlier line has that id")
+        return earlier.history() + suffix
+    prefix_id = str(item["prefix_id"])
+    prefix_len = int(item["prefix_len"])
+    base = prefixes.get(prefix_id, ())
+    if len(base) < prefix_len:
+        generator = random.Random(f"prefix/{prefix_id}")
+        base = tuple(generator.randrange(1, 1000) for _ in range(max(prefix_len, 4096)))
+        prefixes[prefix_id] = base
+    return base[:prefix_len] + suffix

@@ -1,0 +1,72 @@
+"""``hybrid-kv bench``: scheduler CPU time per step, plugin vs stock, and reuse efficiency."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybrid_kv_plugin.cli.replay import add_geometry_arguments
+
+    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (ABBA-interleaved)")
+    parser.add_argument("--requests", type=int, default=2000, help="size of the large case (0: default case only)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
+    add_geometry_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from hybrid_kv_plugin.cli.replay import Progress, settings_from
+    from hybrid_kv_plugin.sim.bench import BENCH_CONFIGS, BenchCase, run_bench
+    from hybrid_kv_plugin.sim.workload import default_workload, with_eagle, workload_of_size
+
+    out = out or sys.stdout
+    if args.repeats < 1 or args.requests < 0:
+        raise SystemExit("hybrid-kv: --repeats must be >= 1 and --requests >= 0")
+    settings = settings_from(args)
+    cases = [BenchCase("default", tuple(with_eagle(default_workload(args.seed), args.eagle)))]
+    if args.requests:
+        large = tuple(with_eagle(workload_of_size(args.requests, args.seed), args.eagle))
+        cases.append(BenchCase(f"{sum(len(s.requests) for s in large)} requests", large))
+    total = sum(c.requests for c in cases) * args.repeats * len(BENCH_CONFIGS)
+    progress = Progress(total)
+
+    def advance(label: str, requests: int) -> None:
+        progress.start(label)
+        progress.finish_run(requests)
+        progress.update(0)
+
+    report = run_bench(cases, settings, repeats=args.repeats, progress=advance)
+    progress.close()
+    if args.json:
+        out.write(json.dumps(report, indent=2) + "\n")
+    else:
+        render_bench(report, out)
+    return 0
+
+
+def render_bench(report: dict, out: TextIO) -> None:
+    w = out.write
+    w(f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per configuration\n")
+    for case in report["cases"]:
+        w(f"\n{case['name']} ({case['requests']} requests)\n")
+        w(f"  {'config':<10} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
+        for name, entry in case["configs"].items():
+            if "refused" in entry:
+                w(f"  {name:<10} refused: {entry['refused']}\n")
+                continue
+            t = entry.get("step_cpu_us", {})
+            w(
+                f"  {name:<10} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
+                f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f}\n"
+            )
+        for key, ratio in case.items():
+            if key.startswith("ratio_"):
+                label = key[len("ratio_") :].replace("_vs_", " / ")
+                w(
+                    f"  ratio {label}: median {ratio['median']:.4f} (min {ratio['min']:.4f}, max {ratio['max']:.4f}; "
+                    f"per repeat {', '.join(f'{r:.3f}' for r in ratio['per_repeat'])})\n"
+                )

@@ -1,0 +1,107 @@
+"""``hybrid-kv bench``: scheduler CPU time per step, plugin vs stock, in one process.
+
+Only ``scheduler.schedule()`` + ``scheduler.update_from_output()`` are timed (the
+connector's scheduler side runs inside them); the simulated worker, the workload
+driver and the attribution observers are outside the timed region (the bench runs
+without observers). Repeats interleave the configurations in an ABBA order (stock,
+plugin, plugin, stock, ...), so slow drifts of a shared machine hit both alike, and the
+figure of merit is the per-repeat ratio plugin / stock of CPU seconds per step, given
+as min / median / max. Step counts and reuse are deterministic and repeat-invariant;
+timings are not and are never asserted by the tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_kv_plugin.sim.replay import CONFIGS, ReplayConfig, ReplaySettings, StepTimer, replay
+from hybrid_kv_plugin.sim.workload import Segment
+
+BENCH_CONFIGS = (CONFIGS["stock"], CONFIGS["plugin"])
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def requests(self) -> int:
+        return sum(len(s.requests) for s in self.segments)
+
+
+def _spread(values: Sequence[float], digits: int) -> dict[str, float]:
+    return {
+        "min": round(min(values), digits),
+        "median": round(statistics.median(values), digits),
+        "max": round(max(values), digits),
+    }
+
+
+def run_case(
+    case: BenchCase,
+    settings: ReplaySettings,
+    repeats: int,
+    configs: Sequence[ReplayConfig] = BENCH_CONFIGS,
+    clock: Callable[[], float] | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, Any]:
+    """Every configuration ``repeats`` times, ABBA-interleaved; ``configs[0]`` is the baseline."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    per_step: dict[str, list[float]] = {c.name: [] for c in configs}
+    facts: dict[str, dict[str, Any]] = {}
+    for repeat in range(repeats):
+        order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
+        for config in order:
+            timer = StepTimer(clock)
+            result = replay(case.segments, settings, config, observe=False, per_request=False, timer=timer)
+            if progress:
+                progress(f"{case.name} {config.name} #{repeat + 1}", case.requests)
+            if result.refused is not None:
+                facts[config.name] = {"refused": result.refused}
+                continue
+            observed = {
+                "requests": result.requests,
+                "steps": result.steps,
+                "ideal_tokens": result.ideal_tokens,
+                "reused_tokens": result.reused_tokens,
+                "efficiency": round(result.efficiency, 4),
+            }
+            if config.name in facts and facts[config.name] != observed:
+                raise RuntimeError(f"{case.name}/{config.name}: repeat {repeat + 1} is not deterministic")
+            facts[config.name] = observed
+            per_step[config.name].append(timer.seconds / max(timer.steps, 1))
+    baseline = configs[0].name
+    out: dict[str, Any] = {"name": case.name, "requests": case.requests, "configs": {}}
+    for config in configs:
+        entry = dict(facts[config.name])
+        if per_step[config.name]:
+            entry["step_cpu_us"] = _spread([1e6 * t for t in per_step[config.name]], 2)
+        out["configs"][config.name] = entry
+    for config in configs[1:]:
+        pairs = list(zip(per_step[config.name], per_step[baseline]))
+        if pairs:
+            ratios = [ours / theirs if theirs else float("nan") for ours, theirs in pairs]
+            out[f"ratio_{config.name}_vs_{baseline}"] = {**_spread(ratios, 4), "per_repeat": [round(r, 4) for r in ratios]}
+    return out
+
+
+def run_bench(
+    cases: Sequence[BenchCase],
+    settings: ReplaySettings,
+    repeats: int = 5,
+    clock: Callable[[], float] | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, Any]:
+    from hybrid_kv_plugin.registration import current_adapter
+
+    return {
+        "vllm": current_adapter().version,
+        "repeats": repeats,
+        "timed": "process CPU time of scheduler.schedule() + scheduler.update_from_output()",
+        "cases": [run_case(case, settings, repeats, clock=clock, progress=progress) for case in cases],
+    }
