@@ -45,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The command's own output is the report; vLLM's start-up chatter only hides it.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs to stdout by default; stdout is the report (``--json`` is parsed by scripts).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.command == "doctor":
         from hybrid_kv_plugin.cli.doctor import run_doctor
 
