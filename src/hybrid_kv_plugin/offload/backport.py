@@ -34,6 +34,8 @@ and CPU pool sizing stay in charge and nothing in vLLM is patched.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -503,12 +505,14 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return done
 
     def get_boundary_store_stats(self) -> BoundaryStoreStats:
-        return BoundaryStoreStats(**self.boundary_store_stats.as_dict())
+        # A flat dataclass of ints: a shallow copy is a full snapshot (asdict deep-copies per call).
+        return dataclasses.replace(self.boundary_store_stats)
 
     def drain_outcome_growth(self) -> dict[StoreOutcome, int]:
         """Outcome counts added since the previous call (what a metrics interval reports)."""
         growth = self.boundary_store_stats.minus(self._stats_drained)
-        self._stats_drained = self.get_boundary_store_stats()
+        if growth:  # called every step; most steps publish nothing, so skip the snapshot then
+            self._stats_drained = self.get_boundary_store_stats()
         return growth
 
     def store_metadata(self, event_idx: int) -> list[StagedBlock] | None:
