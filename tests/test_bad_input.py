@@ -42,12 +42,20 @@ def test_switch_wrong_type(plugin, make_engine, value):
     assert f"(got {value!r}; allowed: true or false)" in str(err.value)
 
 
+@pytest.mark.parametrize("value", [0, "false", None])
+def test_liveness_switch_wrong_type(plugin, make_engine, value):
+    with pytest.raises(PluginConfigError) as err:
+        make_engine(additional_config={"hybrid_kv": {"async_load_liveness": value}})
+    assert "hybrid_kv.async_load_liveness: Input should be a valid boolean" in str(err.value)
+    assert f"(got {value!r}; allowed: true or false)" in str(err.value)
+
+
 def test_switch_unknown_key(plugin, make_engine):
     with pytest.raises(PluginConfigError) as err:
         make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_chekpoint": True}})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_chekpoint: unknown key "
-        "(allowed keys: mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
     )
 
 
@@ -56,7 +64,7 @@ def test_switch_section_not_an_object(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": "on"})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv must be a JSON object, got str "
-        "(allowed keys: mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
     )
 
 

@@ -1,16 +1,19 @@
-"""``register()`` under vLLM's multi-process start: one registration per process, every patch in each.
+"""``register()`` under vLLM's multi-process start: one registration per process, each patching its sides.
 
-vLLM starts the API server, the engine core and each worker as separate processes
+vLLM starts the API server(s), the engine core and each worker as separate processes
 (the ``spawn`` start method wherever CUDA may be initialised) and every one of them
 calls ``vllm.plugins.load_general_plugins()`` - from ``EngineArgs.__post_init__``,
 the start of ``EngineCore.__init__`` and ``WorkerWrapperBase.init_worker`` - which
 runs each ``vllm.general_plugins`` entry point once per process. This test spawns
-one process per role the same way and asks each what the plugin did there.
+one process per role the same way, under the names vLLM gives them
+(``ApiServer_<i>``, ``EngineCore_DP<i>``, ``VllmWorker-<rank>``; ``MainProcess`` for
+``vllm serve``'s own process or an in-process engine), and asks each what the
+plugin did there.
 
-Documented behaviour asserted exactly: in every process the plugin registers once
-(a second loader call changes nothing), installs *all* of the wheel's patches -
-also those only one role uses, e.g. the NIXL worker pairing in the API server - and
-registers the connector name.
+Asserted exactly: every process registers once (a second loader call changes
+nothing) and registers the connector name; an API server installs no patch, a
+multiprocess worker only worker-side ones, the engine core and an unnamed process
+all of them (a single-process executor runs its worker inside the engine core).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import inspect
 import multiprocessing
 import os
 
-ROLES = ("api_server", "engine_core", "worker")
+# vLLM's process name -> the role the plugin must see there.
+ROLES = {"ApiServer_0": "api_server", "EngineCore_DP0": "engine_core", "VllmWorker-1": "worker", "MainProcess": "any"}
 
 
 def _resolve(target: str):
@@ -52,6 +56,7 @@ def _role_main(role: str, queue) -> None:
             {
                 "role": role,
                 "pid": os.getpid(),
+                "seen_as": state.role,
                 "status": state.status,
                 "calls": state.calls,
                 "installs": state.installs,
@@ -63,12 +68,14 @@ def _role_main(role: str, queue) -> None:
         queue.put({"role": role, "error": repr(exc)})
 
 
-def test_each_spawned_process_registers_once_with_every_patch(adapter, monkeypatch):
+def test_each_spawned_process_registers_once_and_patches_its_sides(adapter, monkeypatch):
+    from hybrid_kv_plugin.process_role import Side
+
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv("HYBRID_KV_PLUGIN_DISABLE", raising=False)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_role_main, args=(role, queue), name=role) for role in ROLES]
+    processes = [context.Process(target=_role_main, args=(name, queue), name=name) for name in ROLES]
     for process in processes:
         process.start()
     reports = {}
@@ -81,13 +88,36 @@ def test_each_spawned_process_registers_once_with_every_patch(adapter, monkeypat
 
     assert [r.get("error") for r in reports.values()] == [None] * len(ROLES)
     every_patch = sorted(spec.name for spec in adapter.patch_specs())
+    worker_patches = sorted(spec.name for spec in adapter.patch_specs() if spec.side is Side.WORKER)
+    expected = {"api_server": [], "engine_core": every_patch, "worker": worker_patches, "any": every_patch}
     assert len({r["pid"] for r in reports.values()} | {os.getpid()}) == len(ROLES) + 1
-    for role in ROLES:
-        assert {k: v for k, v in reports[role].items() if k != "pid"} == {
-            "role": role,
+    for name, role in ROLES.items():
+        assert {k: v for k, v in reports[name].items() if k != "pid"} == {
+            "role": name,
+            "seen_as": role,
             "status": "active",
             "calls": 1,
             "installs": 1,
-            "patched": every_patch,
+            "patched": expected[role],
             "connector": True,
         }
+    # The scheduler side is patched somewhere on every wheel (at least its config hook).
+    assert "scheduler_plugin_config" in every_patch
+    assert worker_patches == (["nixl_worker_pairing"] if adapter.version == "0.26.0" else [])
+
+
+def test_a_worker_goes_inert_when_a_scheduler_target_changed(no_plugin, adapter, monkeypatch):
+    """Every process checks every target, so processes of one engine never disagree on inert/active."""
+    import hybrid_kv_plugin
+    from hybrid_kv_plugin import registration
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def renamed(self, config, kv_cache_config, structured_output_manager, block_size, hash_block_size=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "VllmWorker-0")
+    monkeypatch.setattr(Scheduler, "__init__", renamed)
+    hybrid_kv_plugin.register()
+    assert (registration.STATE.status, registration.STATE.role) == ("mismatch", "worker")
+    assert registration.STATE.patch_set is None
+    assert "Scheduler.__init__" in registration.STATE.reason

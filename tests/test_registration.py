@@ -171,3 +171,21 @@ def test_unsupported_wheel_is_inert_with_one_line(no_plugin, monkeypatch, plugin
     assert lines == [
         f"hybrid-kv-plugin: inert, vLLM {version} is outside the supported range >=0.26.0,<0.34.0; vLLM runs stock"
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "role", "sides"),
+    [
+        ("ApiServer_3", "api_server", set()),
+        ("EngineCore", "engine_core", {"scheduler", "worker"}),
+        ("EngineCore_DP2", "engine_core", {"scheduler", "worker"}),
+        ("VllmWorker-7", "worker", {"worker"}),
+        ("MainProcess", "any", {"scheduler", "worker"}),
+        ("SpawnProcess-1", "any", {"scheduler", "worker"}),
+    ],
+)
+def test_process_role_from_vllm_process_name(name, role, sides):
+    from hybrid_kv_plugin.process_role import role_of
+
+    assert role_of(name).value == role
+    assert {side.value for side in role_of(name).sides} == sides

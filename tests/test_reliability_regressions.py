@@ -7,15 +7,119 @@
   reused, for other content or for the same key by this very store, which the stock
   connector stamps on the CPU block at once. ``EventAwareOffloadInvariants`` tracks
   the copy by its store event; this run must stay clean on every wheel.
+
+* the async-load deadlock of vLLM 0.29-0.33 (``patches/async_load_liveness.py``):
+  the 10,000-step soak of each of these wheels stopped making progress - nothing
+  running, requests waiting forever - after a load failed with nothing valid. With
+  the plugin's switch off, the seed below reproduces the hang on the stock wheel;
+  with it on (the default) the same program runs to idle with no violation.
 """
 
 from __future__ import annotations
 
-from hybrid_kv_plugin.sim.soak import soak, variants
+import pytest
+
+from hybrid_kv_plugin.sim.soak import DRAIN_LIMIT, soak, variants
+
+
+def _variant(adapter, name):
+    return next(v for v in variants(adapter) if v.name == name)
+
+
+# Exact figures of the seed-0 re-store run (the same on every wheel): steps, requests,
+# invariant checks. The program stops adding work at 240 steps, then drains.
+RESTORE_RUN = (250, 29, 1768)
 
 
 def test_seed0_full_attention_restore_is_not_a_duplicate(plugin, adapter):
-    variant = next(v for v in variants(adapter) if v.name == "plugin-full-attention")
-    counts, checks, violations = soak(adapter, variant, 240, seed=0)
+    counts, checks, violations = soak(adapter, _variant(adapter, "plugin-full-attention"), 240, seed=0)
     assert violations == []
-    assert counts.steps >= 240
+    assert (counts.steps, counts.requests, checks) == RESTORE_RUN
+
+
+# Per wheel: the variant, seed and step budget whose program deadlocked the stock
+# scheduler, the requests left stuck, and the figures of the fixed run
+# (steps, requests, failed loads).
+DEADLOCK_SEEDS = {
+    "0.29.0": (
+        "plugin-full-attention", 0, 10_000,
+        "['q869', 'q870', 'q871', 'q874', 'q876', 'q877', 'q878', 'q880', 'q881']", (10_008, 1103, 62),
+    ),
+    "0.30.0": ("plugin-lazy", 0, 2_000, "['q149', 'q150']", (2000, 207, 8)),
+    "0.31.0": ("stock", 1, 2_000, "['q150', 'q151', 'q152']", (2001, 212, 6)),
+    "0.32.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']", (2014, 226, 19)),
+    "0.33.0": ("stock", 1, 2_000, "['q150', 'q151', 'q152']", (2000, 212, 7)),
+}
+# Programs that still deadlock when only the stale reservations are dropped: the queue
+# order (block holders first) is needed as well. (variant, seed, steps, stuck requests)
+ORDER_SEEDS = {
+    "0.29.0": ("plugin-full-attention", 2, 10_000, "['q846', 'q847', 'q848']"),
+    "0.30.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
+    "0.31.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
+    "0.32.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
+    "0.33.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
+}
+
+
+@pytest.fixture
+def deadlock_seed(adapter):
+    if adapter.first_waiting_queue_attr is None:
+        pytest.skip(f"vLLM {adapter.version} reserves no blocks for async loads (added in 0.29): no such deadlock")
+    return DEADLOCK_SEEDS[adapter.version]
+
+
+def test_failed_async_load_deadlocks_the_stock_scheduler(plugin, adapter, deadlock_seed):
+    name, seed, steps, stuck, _ = deadlock_seed
+    counts, _, violations = soak(adapter, _variant(adapter, name), steps, seed, plugin_options={"async_load_liveness": False})
+    # The drain gives up after DRAIN_LIMIT idle-less steps, then the final drain does too.
+    assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps ({stuck} live)"] * 2
+    assert counts.failed_loads > 0
+
+
+def test_failed_async_load_no_longer_deadlocks(plugin, adapter, deadlock_seed):
+    name, seed, steps, _, fixed = deadlock_seed
+    counts, _, violations = soak(adapter, _variant(adapter, name), steps, seed)
+    assert violations == []
+    assert (counts.steps, counts.requests, counts.failed_loads) == fixed
+
+
+def test_queue_order_half_is_needed(plugin, adapter, deadlock_seed, monkeypatch):
+    """Dropping stale reservations alone still strands a finished load behind a block-less head."""
+    from hybrid_kv_plugin.patches import async_load_liveness
+
+    name, seed, steps, stuck = ORDER_SEEDS[adapter.version]
+    # Ablate the plugin's own second step (not vLLM code): the first one alone does not suffice.
+    monkeypatch.setattr(async_load_liveness, "put_block_holders_first", lambda scheduler, adapter: False)
+    _, _, violations = soak(adapter, _variant(adapter, name), steps, seed)
+    assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps ({stuck} live)"] * 2
+    monkeypatch.undo()
+    _, _, violations = soak(adapter, _variant(adapter, name), steps, seed)
+    assert violations == []
+
+
+def test_liveness_patch_is_installed_exactly_where_loads_reserve(plugin, adapter):
+    installed = [spec.name for spec in plugin.patch_set.specs if spec.name == "async_load_liveness"]
+    expected = {"0.29.0": "skipped_waiting", "0.30.0": "skipped_waiting"}.get(
+        adapter.version, "kv_holding_waiting" if adapter.version >= "0.31" else None
+    )
+    assert adapter.first_waiting_queue_attr == expected
+    assert installed == (["async_load_liveness"] if expected else [])
+
+
+def test_changed_schedule_leaves_the_plugin_inert(no_plugin, adapter, deadlock_seed, monkeypatch):
+    import hybrid_kv_plugin
+    from hybrid_kv_plugin import registration
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def schedule(self, throttle_prefills=False):  # reads none of the state the patch edits
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    hybrid_kv_plugin.register()
+    assert registration.STATE.status == "mismatch"
+    gone = ", ".join(sorted({"_inflight_prefills", "policy", adapter.first_waiting_queue_attr}))
+    assert registration.STATE.reason.startswith(
+        "patch target vllm.v1.core.sched.scheduler:Scheduler.schedule changed (reads different scheduler "
+        f"attributes (new: -; gone: {gone}))"
+    )
+    assert Scheduler.schedule is schedule

@@ -41,6 +41,11 @@ class PluginConfig(BaseModel):
         description="Cache the Mamba state at the shared-prefix junction under EAGLE "
         "(one extra state block per junction).",
     )
+    async_load_liveness: bool = Field(
+        default=True,
+        description="Keep the scheduler's waiting scan live after a failed async KV load "
+        "(vLLM 0.29+: drop stale in-flight reservations, scan block holders first).",
+    )
 
 
 class ConnectorOptions(BaseModel):

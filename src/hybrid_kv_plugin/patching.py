@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_kv_plugin.process_role import Side
+
 PATCH_MARKER = "__hybrid_kv_patch__"
 
 
@@ -71,6 +73,8 @@ class PatchSpec:
     why: str = ""
     upstream: str = ""
     removed_in: str = ""
+    # The vLLM side that calls the patched attribute; a process installs only its sides' patches.
+    side: Side = Side.SCHEDULER
 
     def resolve(self) -> tuple[Any, str, Any]:
         """Return ``(owner, attribute name, original)`` or raise :class:`PatchMismatch`."""

@@ -1,10 +1,15 @@
 """What ``register()`` does in each vLLM process, exactly once until ``uninstall()``.
 
 Order: honour ``HYBRID_KV_PLUGIN_DISABLE``; select the adapter (unsupported wheel ->
-inert, one log line); check every patch target and install all patches or none
-(mismatch -> inert, one log line naming the target); then register the connector
-name with vLLM's ``KVConnectorFactory`` by class path, so nothing heavy is imported
-until a user asks for the connector.
+inert, one log line); check *every* patch target of the wheel (mismatch -> inert, one
+log line naming the target), then install the patches of the sides this process runs
+(:mod:`hybrid_kv_plugin.process_role`: an API server none, a multiprocess worker the
+worker side, the engine core and any unnamed process all); then register the
+connector name with vLLM's ``KVConnectorFactory`` by class path, so nothing heavy is
+imported until a user asks for the connector.
+
+Checking every target in every process keeps the verdict the same across the
+processes of one engine: either all of them are patched for their sides, or none is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class RegistrationState:
 
     status: str = "unregistered"
     reason: str = ""
+    role: str = ""
     adapter: object | None = None
     patch_set: object | None = None
     registered_connector: bool = False
@@ -57,6 +63,7 @@ def _register_locked() -> None:
     from hybrid_kv_plugin.adapters import select_adapter
     from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
     from hybrid_kv_plugin.patching import PatchMismatch, PatchSet
+    from hybrid_kv_plugin.process_role import current_role
 
     selection = select_adapter()
     if selection.adapter is None:
@@ -64,8 +71,13 @@ def _register_locked() -> None:
         log_once(logging.WARNING, "hybrid-kv-plugin: inert, %s; vLLM runs stock", selection.reason)
         return
     adapter = selection.adapter
-    patch_set = PatchSet(adapter.patch_specs())
+    role = current_role()
+    specs = adapter.patch_specs()
+    STATE.role = role.value
+    patch_set = PatchSet([spec for spec in specs if spec.side in role.sides])
     try:
+        if problems := PatchSet(specs).check():
+            raise problems[0]
         patch_set.install()
     except PatchMismatch as exc:
         STATE.status = "mismatch"
@@ -79,10 +91,12 @@ def _register_locked() -> None:
     STATE.status, STATE.reason = "active", selection.reason
     log_once(
         logging.INFO,
-        "hybrid-kv-plugin: active on %s (%s, %d patches)",
+        "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches)",
         selection.reason,
         adapter.name,
+        role.value,
         len(patch_set.specs),
+        len(specs),
     )
 
 
@@ -104,7 +118,7 @@ def uninstall_plugin() -> None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
             KVConnectorFactory._registry.pop(CONNECTOR_NAME, None)
-        STATE.status, STATE.reason = "unregistered", ""
+        STATE.status, STATE.reason, STATE.role = "unregistered", "", ""
         STATE.adapter = STATE.patch_set = None
         STATE.registered_connector = False
         STATE.calls = STATE.installs = 0

@@ -75,6 +75,9 @@ class VllmAdapter:
     # 0.30+). Older wheels only take invalid_block_ids, which their scheduler maps back to
     # requests through a single KV-cache group: a hybrid model's failed load cannot be told.
     kv_load_failure_by_request: ClassVar[bool] = False
+    # Async KV loads reserve blocks at admission (0.29+, vLLM #44560); the waiting scan
+    # reads this FCFS queue first. None: no reservation, no liveness patch.
+    first_waiting_queue_attr: ClassVar[str | None] = None
 
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
@@ -133,6 +136,7 @@ class VllmAdapter:
             *self.nixl_patch_specs(),
             *self.junction_patch_specs(),
             *self.cpu_offload_patch_specs(),
+            *self.scheduler_liveness_patch_specs(),
         ]
 
     # One hook per seed feature; each returns [] where the wheel is native or the
@@ -170,6 +174,19 @@ class VllmAdapter:
     def cpu_offload_patch_specs(self) -> list[PatchSpec]:
         """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""
         return []
+
+    def scheduler_liveness_patch_specs(self) -> list[PatchSpec]:
+        """The async-load deadlock fix (found by the randomized suite), where the wheel reserves for loads."""
+        if self.first_waiting_queue_attr is None:
+            return []
+        from hybrid_kv_plugin.patches import async_load_liveness
+
+        return [async_load_liveness.spec(self)]
+
+    def request_holds_kv_blocks(self, scheduler: Any, request_id: str) -> bool:
+        """Whether the KV cache manager holds a real (non-null) block for the request, in any group."""
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        return any(not block.is_null for manager in managers for block in manager.req_to_blocks.get(request_id, ()))
 
     # ------------------------------------------------------------------ SimpleCPU offload geometry (seed 000)
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:

@@ -9,3 +9,5 @@ class Vllm031Adapter(Vllm030Adapter):
     native_junction_flag = "enable_mamba_shared_prefix_checkpoint"
     native_junction_scheduler_attr = "mamba_shared_prefix_checkpoint"
     has_native_simplecpu_metrics = True
+    # Block-holding waiting requests have their own queue, drained before ``waiting``.
+    first_waiting_queue_attr = "kv_holding_waiting"

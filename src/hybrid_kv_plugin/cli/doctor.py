@@ -50,7 +50,14 @@ def collect(serve_args: list[str] | None = None) -> DoctorReport:
     ]
     specs = adapter.patch_specs()
     report.patches = [
-        {"name": s.name, "target": s.target, "why": s.why, "upstream": s.upstream, "removed_in": s.removed_in}
+        {
+            "name": s.name,
+            "target": s.target,
+            "side": s.side.value,
+            "why": s.why,
+            "upstream": s.upstream,
+            "removed_in": s.removed_in,
+        }
         for s in specs
     ]
     mismatches = PatchSet(specs).check()
@@ -76,9 +83,9 @@ def render(report: DoctorReport, out: TextIO) -> None:
         for f in report.features:
             w(f"{f['title']:<56} {f['support']:<12} {f['reason']}\n")
     if report.patches:
-        w("\npatches installed by register():\n")
+        w("\npatches installed by register() (each process installs its sides' patches):\n")
         for p in report.patches:
-            w(f"  {p['name']}: {p['target']}\n      why: {p['why']}; upstream: {p['upstream']}; removed in: {p['removed_in']}\n")
+            w(f"  {p['name']} [{p['side']}]: {p['target']}\n      why: {p['why']}; upstream: {p['upstream']}; removed in: {p['removed_in']}\n")
     if report.serve_check is not None:
         check = report.serve_check
         w("\nvllm serve arguments: " + ("INVALID" if check["errors"] else "ok") + "\n")

@@ -31,7 +31,8 @@ def self_attribute_reads(function: Callable[..., Any]) -> frozenset[str]:
     for instruction in dis.get_instructions(inspect.unwrap(function)):
         if (
             previous is not None
-            and previous.opname.startswith("LOAD_FAST")
+            # LOAD_DEREF: ``self`` is a cell when a nested function captures it.
+            and (previous.opname.startswith("LOAD_FAST") or previous.opname == "LOAD_DEREF")
             and previous.argval == "self"
             and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
         ):
@@ -46,14 +47,18 @@ def _param_names(function: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ReadsFingerprint(Fingerprint):
-    """``Fingerprint`` plus the exact set of ``self`` attributes the original reads."""
+    """``Fingerprint`` plus the ``self`` attributes the original reads (exactly, or ``at_least``)."""
 
     self_reads: frozenset[str] = frozenset()
+    # True: the original must read at least ``self_reads`` (other reads may come and go).
+    at_least: bool = False
 
     def check(self, original: Any, owner: Any) -> str | None:
         if reason := super().check(original, owner):
             return reason
         found = self_attribute_reads(original)
+        if self.at_least and self.self_reads <= found:
+            return None
         if found != self.self_reads:
             extra = ", ".join(sorted(found - self.self_reads)) or "-"
             missing = ", ".join(sorted(self.self_reads - found)) or "-"

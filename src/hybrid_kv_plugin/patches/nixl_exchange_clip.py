@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.nixl import ExchangeClip, ssm_strip_applies
+from hybrid_kv_plugin.process_role import Side
 from hybrid_kv_plugin.patching import Fingerprint, PatchSpec
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def backport_spec(
     *,
     why: str,
     upstream: str,
+    side: Side = Side.SCHEDULER,
 ) -> PatchSpec:
     """A seed-004 patch: the exact 0.26 signature is required, and vLLM 0.27.0 made it unnecessary."""
     return PatchSpec(
@@ -77,6 +79,7 @@ def backport_spec(
         why=why,
         upstream=f"vLLM {NATIVE_SINCE} {upstream}",
         removed_in=NATIVE_SINCE,
+        side=side,
     )
 
 

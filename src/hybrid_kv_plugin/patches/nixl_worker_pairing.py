@@ -27,6 +27,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.nixl import ExchangeClip
+from hybrid_kv_plugin.process_role import Side
 from hybrid_kv_plugin.patches.nixl_exchange_clip import backport_spec
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         _wrap,
         why="the NIXL worker pairs Mamba slots by 'one local block, remote tail'; pair state slots or refuse",
         upstream="_apply_prefix_caching SSM pairing (decode - prefill <= 1)",
+        side=Side.WORKER,
     )
 
 

@@ -118,7 +118,8 @@ class EventAwareOffloadInvariants(OffloadInvariants):
     Once the copy completed and the CPU pool reused its block (for other content, or for
     the same key again after an eviction or a CPU-cache reset), a legitimate re-store of
     the GPU block read as a duplicate. Here a copy is in flight exactly while its own
-    store event is pending, and forgotten when its CPU block is written again.
+    store event is pending, and forgotten when its CPU block is written again or its
+    event is abandoned by a CPU-cache reset (found with seed 4 on vLLM 0.29.0).
     """
 
     def __post_init__(self) -> None:
@@ -132,7 +133,14 @@ class EventAwareOffloadInvariants(OffloadInvariants):
         # dropped by a CPU-cache reset); the stock connector stamps the new key on it at
         # once, which must not read as "the earlier copy still holds it".
         reused = set(meta.store_cpu_blocks)
-        self._copies = {k: r for k, r in self._copies.items() if r.cpu_block_id not in reused}
+        # A copy whose event a CPU-cache reset abandoned is never published (its CPU block
+        # loses the key stamped at allocation once the copy completes): it is gone already.
+        abandoned = getattr(self.manager, "_abandoned_store_event_to_blocks", {})
+        self._copies = {
+            k: r
+            for k, r in self._copies.items()
+            if r.cpu_block_id not in reused and self._event_of.get(id(r)) not in abandoned
+        }
         first = len(self.stores)
         super()._observe_store(meta)
         for record in self.stores[first:]:

@@ -131,6 +131,8 @@ class FaultHarness:
     # vLLM's own choice for a failed load: "recompute" (the request recomputes what it
     # could not load) or "fail" (the request ends with an error).
     load_failure_policy: str = "recompute"
+    # additional_config["hybrid_kv"] of the engine (e.g. {"async_load_liveness": False}).
+    plugin_options: dict[str, Any] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
     counts: Counts = field(default_factory=Counts)
 
@@ -152,6 +154,7 @@ class FaultHarness:
             adapter=self.adapter,
             kv_connector=self.variant.connector,
             kv_connector_extra_config={"cpu_bytes_to_use": self.cpu_blocks * geometry.attention_page_bytes, **dict(self.variant.extra)},
+            additional_config={"hybrid_kv": dict(self.plugin_options)} if self.plugin_options else None,
             transfer_policy=TransferPolicy(fate=self._fate),
             configure=self._configure,
         )
@@ -282,8 +285,10 @@ def random_program(harness: FaultHarness, steps: int, rng: random.Random) -> Non
     harness.finish()
 
 
-def soak(adapter: Any, variant: Variant, steps: int, seed: int) -> tuple[Counts, int, list[str]]:
-    harness = FaultHarness(adapter, variant, seed=seed)
+def soak(
+    adapter: Any, variant: Variant, steps: int, seed: int, plugin_options: dict[str, Any] | None = None
+) -> tuple[Counts, int, list[str]]:
+    harness = FaultHarness(adapter, variant, seed=seed, plugin_options=dict(plugin_options or {}))
     random_program(harness, steps, random.Random(seed))
     return harness.counts, harness.invariants.checks, harness.violations
 
