@@ -34,19 +34,17 @@ def _start(make_engine, **kwargs):
 
 
 # ---------------------------------------------------------------------- additional_config["hybrid_kv"]
-@pytest.mark.parametrize("value", [1, "yes", None, [True]])
-def test_switch_wrong_type(plugin, make_engine, value):
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        *(("mamba_shared_prefix_checkpoint", v) for v in (1, "yes", None, [True])),
+        *(("async_load_liveness", v) for v in (0, "false", None)),
+    ],
+)
+def test_switch_wrong_type(plugin, make_engine, key, value):
     with pytest.raises(PluginConfigError) as err:
-        make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": value}})
-    assert "hybrid_kv.mamba_shared_prefix_checkpoint: Input should be a valid boolean" in str(err.value)
-    assert f"(got {value!r}; allowed: true or false)" in str(err.value)
-
-
-@pytest.mark.parametrize("value", [0, "false", None])
-def test_liveness_switch_wrong_type(plugin, make_engine, value):
-    with pytest.raises(PluginConfigError) as err:
-        make_engine(additional_config={"hybrid_kv": {"async_load_liveness": value}})
-    assert "hybrid_kv.async_load_liveness: Input should be a valid boolean" in str(err.value)
+        make_engine(additional_config={"hybrid_kv": {key: value}})
+    assert f"hybrid_kv.{key}: Input should be a valid boolean" in str(err.value)
     assert f"(got {value!r}; allowed: true or false)" in str(err.value)
 
 
@@ -68,25 +66,30 @@ def test_switch_section_not_an_object(plugin, make_engine):
     )
 
 
-def test_switch_env_override_bad_value(plugin, make_engine, monkeypatch):
-    monkeypatch.setenv("HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT", "sometimes")
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("sometimes", "HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT='sometimes' (allowed: 1, 0, true, false, yes, no, on, off)"),
+        # A valid value on an engine without EAGLE: the conflict names the variable, not the key.
+        ("on", "environment variable HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT='on' needs EAGLE-style speculative decoding"),
+    ],
+)
+def test_switch_env_override_errors_name_the_variable(plugin, make_engine, monkeypatch, value, message):
+    monkeypatch.setenv("HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT", value)
     with pytest.raises(PluginConfigError) as err:
         make_engine()
-    assert "HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT='sometimes' (allowed: 1, 0, true, false, yes, no, on, off)" in str(
-        err.value
+    assert message in str(err.value)
+
+
+def test_switch_without_eagle_is_refused(plugin, make_engine):
+    """A conflict: the junction checkpoint exists for EAGLE's block drop and could never act."""
+    with pytest.raises(PluginConfigError) as err:
+        make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}})
+    assert str(err.value) == (
+        "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_checkpoint: true needs EAGLE-style "
+        "speculative decoding (--speculative-config method eagle, eagle3 or mtp) and this engine has no "
+        "speculative decoding (allowed without EAGLE: false)"
     )
-
-
-def test_switch_without_eagle_is_a_logged_no_op(plugin, make_engine, adapter, plugin_log):
-    """Not an error: the gate stays closed. The backport says why in one line; 0.30+ sets vLLM's flag."""
-    engine = make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}})
-    assert adapter.junction_active(engine.scheduler) is False
-    lines = [m for m in plugin_log.messages(logging.INFO) if "mamba_shared_prefix_checkpoint" in m]
-    if adapter.native_junction_flag:
-        assert getattr(engine.vllm_config.cache_config, adapter.native_junction_flag) is True
-        assert lines == []
-    else:
-        assert lines == ["hybrid-kv-plugin: mamba_shared_prefix_checkpoint is on but inactive here: no EAGLE group"]
 
 
 # ---------------------------------------------------------------------- kv_connector_extra_config
@@ -153,8 +156,19 @@ def test_fine_grained_hits_on_a_wheel_without_handoffs(plugin, make_engine, adap
     assert opted_out.connector.offload_mode is OffloadMode.STOCK
 
 
-def test_lazy_offload_with_fine_grained_hits(plugin, make_engine, adapter):
-    """Not a conflict: lazy stores carry no boundary states, so CPU hits stay on the scheduler block."""
+def test_lazy_offload_with_explicit_fine_grained_hits_is_refused(plugin, make_engine):
+    extra = {**CPU, "lazy_offload": True, "fine_grained_hits": True}
+    with pytest.raises(PluginConfigError) as err:
+        make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config=extra)
+    assert str(err.value) == (
+        "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.fine_grained_hits: true conflicts with "
+        "lazy_offload: true (lazy offload stores no Mamba boundary states, so CPU hits stay on whole scheduler "
+        "blocks); allowed: fine_grained_hits false or unset with lazy offload, or lazy_offload false"
+    )
+
+
+def test_lazy_offload_with_default_fine_grained_hits(plugin, make_engine, adapter):
+    """Unset, not a conflict: lazy stores carry no boundary states, so CPU hits stay on the scheduler block."""
     extra = {**CPU, "lazy_offload": True}
     if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
         with pytest.raises(PluginConfigError, match='set "fine_grained_hits": false'):

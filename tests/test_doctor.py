@@ -142,17 +142,6 @@ def test_junction_takes_effect_with_eagle_and_the_switch(adapter):
             "'{\"hybrid_kv\":{\"mamba_shared_prefix_checkpoint\":true}}' (or HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT=1)",
         ),
         (
-            f"{BASE} {SWITCH}",
-            True,
-            "no speculative decoding: without EAGLE's dropped block the block-floored junction already serves "
-            "siblings, so the switch changes nothing",
-        ),
-        (
-            f"{BASE} {SWITCH} --speculative-config '{{\"method\":\"ngram\",\"num_speculative_tokens\":3}}'",
-            True,
-            "speculative method 'ngram' keeps every matched block (no EAGLE block drop)",
-        ),
-        (
             f"{BASE} {SWITCH} --speculative-config '{{\"method\":\"eagle\",\"disable_eagle_block_drop\":true}}'",
             True,
             "disable_eagle_block_drop is set: the EAGLE block drop is off",
@@ -169,6 +158,35 @@ def test_junction_takes_effect_with_eagle_and_the_switch(adapter):
 )
 def test_junction_says_why_it_would_not_take_effect(adapter, line, switch, reason):
     assert _junction(adapter, line) == {"switch": switch, "effective": False, "reason": reason}
+
+
+@pytest.mark.parametrize(
+    ("extra", "has", "reason"),
+    [
+        (
+            "",
+            "no speculative decoding",
+            "no speculative decoding: without EAGLE's dropped block the block-floored junction already serves "
+            "siblings, so the switch changes nothing",
+        ),
+        (
+            "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":3}'",
+            "speculative method 'ngram'",
+            "speculative method 'ngram' keeps every matched block (no EAGLE block drop)",
+        ),
+    ],
+)
+def test_switch_without_eagle_is_an_invalid_serve_line(adapter, extra, has, reason):
+    """The engine would refuse to start (a conflict); the doctor says so and why the switch could not act."""
+    from hybrid_kv_plugin.cli.serve_args import check_serve_args
+
+    verdict = check_serve_args(f"{BASE} {SWITCH} {extra}", adapter)
+    assert verdict.junction_checkpoint == {"switch": True, "effective": False, "reason": reason}
+    assert verdict.errors == [
+        "--additional-config: invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_checkpoint: true "
+        f"needs EAGLE-style speculative decoding (--speculative-config method eagle, eagle3 or mtp) and this engine has "
+        f"{has} (allowed without EAGLE: false)"
+    ]
 
 
 def test_no_junction_verdict_without_speculation_or_switch(adapter):

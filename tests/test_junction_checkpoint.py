@@ -238,22 +238,22 @@ def test_no_leaked_or_double_freed_mamba_blocks(plugin, make_engine):
 # ---------------------------------------------------------------------------------------------
 # Off means stock; on never hurts; a closed gate changes nothing
 
+# EAGLE in every case: the switch without EAGLE is refused at start-up (test_bad_input.py).
 SWEEP = [
-    (mamba_block, hash_unit, shared, eagle)
-    for mamba_block, hash_unit in ((16, 4), (16, 8), (16, 16), (32, 8))
+    (mamba_block, hash_unit, shared)
+    for mamba_block, hash_unit in ((16, 4), (16, 8), (16, 16), (32, 8), (32, 16), (64, 16))
     for shared in (20, 28, 44)
-    for eagle in (True, False)
 ]
 
 
-@pytest.mark.parametrize(("mamba_block", "hash_unit", "shared", "eagle"), SWEEP)
-def test_switch_never_lowers_a_hit(plugin, make_engine, adapter, mamba_block, hash_unit, shared, eagle):
-    shape = geometry(eagle=eagle, mamba_block=mamba_block, hash_unit=hash_unit)
+@pytest.mark.parametrize(("mamba_block", "hash_unit", "shared"), SWEEP)
+def test_switch_never_lowers_a_hit(plugin, make_engine, adapter, mamba_block, hash_unit, shared):
+    shape = geometry(mamba_block=mamba_block, hash_unit=hash_unit)
     off_engine = make_engine(shape, additional_config=SWITCH_OFF)
     on_engine = make_engine(shape, additional_config=SWITCH_ON)
     off, on = workload_trace(off_engine, shared), workload_trace(on_engine, shared)
     gate_open = adapter.junction_active(on_engine.scheduler)
-    assert gate_open is (eagle and hash_unit < mamba_block)
+    assert gate_open is (hash_unit < mamba_block)
     assert adapter.junction_active(off_engine.scheduler) is False
     for name, hit in {**off[0], **off[1]}.items():
         assert {**on[0], **on[1]}[name] >= hit, name
@@ -285,7 +285,6 @@ def _use_multi_module_mtp(monkeypatch):
 
 
 GATE_CASES = {
-    "no_eagle_group": (geometry(eagle=False), "no EAGLE group"),
     "no_partial_hash_hits": (
         geometry(hash_unit=16),
         "partial hash hits are disabled (prefix-match unit not finer than the Mamba block)",

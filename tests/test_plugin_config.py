@@ -79,7 +79,9 @@ def test_connector_start_up_fails_on_unknown_option(plugin, make_engine):
 
 
 def test_switch_reaches_native_field_where_the_wheel_has_one(plugin, make_engine, adapter, plugin_log):
-    engine = make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}})
+    from hybrid_kv_plugin.sim.geometry import HybridGeometry
+
+    engine = make_engine(HybridGeometry(eagle=True), additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}})
     assert engine.scheduler.hybrid_kv_config.mamba_shared_prefix_checkpoint is True
     flag = adapter.native_junction_flag
     expected_flag = {"0.30.0": "enable_mamba_fine_grained_prefix_cache"}.get(

@@ -129,6 +129,31 @@ def plugin_config_from(
     return config
 
 
+def check_switch_needs_eagle(
+    config: PluginConfig, method: str | None, uses_eagle: bool, environ: Mapping[str, str] | None = None
+) -> None:
+    """The junction switch on an engine without EAGLE is a conflict: refuse it at start-up.
+
+    The junction checkpoint exists for EAGLE's one-unit block drop; without a drafter
+    that reads target hidden states (``SpeculativeConfig.use_eagle()``) it could never
+    act. ``method``: the speculative method, None without speculative decoding.
+    """
+    if not config.mamba_shared_prefix_checkpoint or uses_eagle:
+        return
+    environ = os.environ if environ is None else environ
+    source = (
+        f"environment variable {ENV_SHARED_PREFIX_CHECKPOINT}={environ[ENV_SHARED_PREFIX_CHECKPOINT]!r}"
+        if env_flag(ENV_SHARED_PREFIX_CHECKPOINT, environ)
+        else f"{ADDITIONAL_CONFIG_KEY}.mamba_shared_prefix_checkpoint: true"
+    )
+    has = f"speculative method {method!r}" if method is not None else "no speculative decoding"
+    raise PluginConfigError(
+        f"invalid hybrid-kv-plugin configuration: {source} needs EAGLE-style speculative decoding "
+        f"(--speculative-config method eagle, eagle3 or mtp) and this engine has {has} "
+        "(allowed without EAGLE: false)"
+    )
+
+
 def connector_options_from(
     extra_config: Mapping[str, Any] | None, stock_keys: frozenset[str]
 ) -> ConnectorOptions:
@@ -139,12 +164,22 @@ def connector_options_from(
     if problems := stock_key_problems(extra_config or {}, stock_keys):
         raise PluginConfigError("invalid hybrid-kv-plugin configuration: " + "; ".join(problems))
     try:
-        return ConnectorOptions.model_validate(ours)
+        options = ConnectorOptions.model_validate(ours)
     except ValidationError as err:
         message = _describe_error("kv_connector_extra_config", ConnectorOptions, err)
         if any(item["type"] == "extra_forbidden" for item in err.errors()):
             message += f"; this vLLM's SimpleCPU keys: {', '.join(sorted(stock_keys))}"
         raise PluginConfigError(message) from None
+    # Lazy offload stores evicted blocks, never the Mamba boundary states fine-grained hits
+    # need; asking for both explicitly is a conflict (unset, lazy mode serves coarse hits).
+    if "fine_grained_hits" in options.model_fields_set and options.fine_grained_hits and (extra_config or {}).get("lazy_offload") is True:
+        raise PluginConfigError(
+            "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.fine_grained_hits: true "
+            "conflicts with lazy_offload: true (lazy offload stores no Mamba boundary states, so CPU hits "
+            "stay on whole scheduler blocks); allowed: fine_grained_hits false or unset with lazy offload, "
+            "or lazy_offload false"
+        )
+    return options
 
 
 def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -16,7 +16,14 @@ from typing import Any
 
 from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin.adapters import Feature
-from hybrid_kv_plugin.config import ENV_SHARED_PREFIX_CHECKPOINT, PluginConfigError, connector_options_from, plugin_config_from
+from hybrid_kv_plugin.config import (
+    ENV_SHARED_PREFIX_CHECKPOINT,
+    PluginConfig,
+    PluginConfigError,
+    check_switch_needs_eagle,
+    connector_options_from,
+    plugin_config_from,
+)
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MAMBA_CACHE_MODES = ("none", "align", "all")
@@ -149,12 +156,19 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
             f"{CONNECTOR_NAME} fine-grained hits are unavailable on vLLM {adapter.version} "
             "(needs >= 0.29.0): set kv_connector_extra_config.fine_grained_hits=false or upgrade"
         )
+    plugin_switch = switch
     switch = switch or bool(args.native_junction)
     if method is not None or switch:
         effective, reason = _junction_verdict(
             adapter, switch, method, num_spec, spec_config or {}, caching, mode, unit, mamba_block
         )
         verdict.junction_checkpoint = {"switch": switch, "effective": effective, "reason": reason}
+    if plugin_switch:
+        try:
+            given = None if spec_config is None else method
+            check_switch_needs_eagle(PluginConfig(mamba_shared_prefix_checkpoint=True), given, method in EAGLE_DROP_METHODS)
+        except PluginConfigError as exc:
+            verdict.errors.append(f"--additional-config: {exc}")
     return verdict
 
 

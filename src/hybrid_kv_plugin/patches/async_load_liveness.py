@@ -85,7 +85,12 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
 def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> list[str]:
     """Drop in-flight reservations of requests that hold no KV block; return their ids."""
     inflight = scheduler._inflight_prefills
-    stale = [r for r in inflight if not adapter.request_holds_kv_blocks(scheduler, r.request_id)]
+    # A request with computed tokens holds their blocks; only a failed load resets them to 0.
+    stale = [
+        r
+        for r in inflight
+        if r.num_computed_tokens == 0 and not adapter.request_holds_kv_blocks(scheduler, r.request_id)
+    ]
     for request in stale:
         inflight.discard(request)
     return sorted(r.request_id for r in stale)
@@ -93,10 +98,8 @@ def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> list[str
 
 def put_block_holders_first(scheduler: Any, adapter: VllmAdapter) -> bool:
     """Stable-reorder the first-scanned FCFS waiting queue: block holders first. True if reordered."""
-    from vllm.v1.core.sched.request_queue import SchedulingPolicy
-
     queue = getattr(scheduler, adapter.first_waiting_queue_attr)
-    if scheduler.policy != SchedulingPolicy.FCFS or len(queue) < 2:
+    if len(queue) < 2 or scheduler.policy.value != "fcfs":  # a priority queue is a heap
         return False
     requests = list(queue)
     holds = [adapter.request_holds_kv_blocks(scheduler, r.request_id) for r in requests]

@@ -316,9 +316,9 @@ class _SegmentRun:
 
         self.segment = segment
         self.geometry = settings.geometry(segment)
-        additional = (
-            {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}} if config.mamba_shared_prefix_checkpoint else None
-        )
+        # An operator sets the junction switch on EAGLE deployments only (elsewhere it is refused).
+        switch = config.mamba_shared_prefix_checkpoint and self.geometry.eagle
+        additional = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}} if switch else None
         # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
         # as cpu_bytes // page bytes for this single-tensor layout).
         cpu_bytes = settings.cpu_blocks * self.geometry.attention_page_bytes
