@@ -130,15 +130,16 @@ def plugin_config_from(
 
 
 def check_switch_needs_eagle(
-    config: PluginConfig, method: str | None, uses_eagle: bool, environ: Mapping[str, str] | None = None
+    switch: bool, method: str | None, uses_eagle: bool, environ: Mapping[str, str] | None = None
 ) -> None:
     """The junction switch on an engine without EAGLE is a conflict: refuse it at start-up.
 
     The junction checkpoint exists for EAGLE's one-unit block drop; without a drafter
     that reads target hidden states (``SpeculativeConfig.use_eagle()``) it could never
-    act. ``method``: the speculative method, None without speculative decoding.
+    act. ``switch``: ``mamba_shared_prefix_checkpoint`` as validated (environment
+    override applied); ``method``: the speculative method, None without speculative decoding.
     """
-    if not config.mamba_shared_prefix_checkpoint or uses_eagle:
+    if not switch or uses_eagle:
         return
     environ = os.environ if environ is None else environ
     source = (

@@ -18,7 +18,6 @@ from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin.adapters import Feature
 from hybrid_kv_plugin.config import (
     ENV_SHARED_PREFIX_CHECKPOINT,
-    PluginConfig,
     PluginConfigError,
     check_switch_needs_eagle,
     connector_options_from,
@@ -163,12 +162,11 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
             adapter, switch, method, num_spec, spec_config or {}, caching, mode, unit, mamba_block
         )
         verdict.junction_checkpoint = {"switch": switch, "effective": effective, "reason": reason}
-    if plugin_switch:
-        try:
-            given = None if spec_config is None else method
-            check_switch_needs_eagle(PluginConfig(mamba_shared_prefix_checkpoint=True), given, method in EAGLE_DROP_METHODS)
-        except PluginConfigError as exc:
-            verdict.errors.append(f"--additional-config: {exc}")
+    try:
+        given = None if spec_config is None else method
+        check_switch_needs_eagle(plugin_switch, given, method in EAGLE_DROP_METHODS)
+    except PluginConfigError as exc:
+        verdict.errors.append(f"--additional-config: {exc}")
     return verdict
 
 

@@ -82,8 +82,8 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
     return schedule
 
 
-def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> list[str]:
-    """Drop in-flight reservations of requests that hold no KV block; return their ids."""
+def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> None:
+    """Drop in-flight reservations of requests that hold no KV block."""
     inflight = scheduler._inflight_prefills
     # A request with computed tokens holds their blocks; only a failed load resets them to 0.
     stale = [
@@ -93,7 +93,6 @@ def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> list[str
     ]
     for request in stale:
         inflight.discard(request)
-    return sorted(r.request_id for r in stale)
 
 
 def put_block_holders_first(scheduler: Any, adapter: VllmAdapter) -> bool:

@@ -51,7 +51,9 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         plugin_config = plugin_config_from(getattr(vllm_config, "additional_config", None))
         spec = vllm_config.speculative_config
-        check_switch_needs_eagle(plugin_config, getattr(spec, "method", None), spec is not None and spec.use_eagle())
+        check_switch_needs_eagle(
+            plugin_config.mamba_shared_prefix_checkpoint, getattr(spec, "method", None), spec is not None and spec.use_eagle()
+        )
         if adapter.native_junction_flag_set(vllm_config) and not plugin_config.mamba_shared_prefix_checkpoint:
             log_once(
                 logging.INFO,
