@@ -44,7 +44,7 @@ def conversation(turns: int, system_tokens: int, user_tokens: int, reply_tokens:
 
 def serve(adapter, connector: str, plan, extra: dict):
     """Run the conversation; (CPU-tier hit per turn, the connector)."""
-    from hybrid_kv_plugin.offload.scenarios import offload_engine
+    from hybrid_kv_plugin.sim.offload_scenarios import offload_engine
 
     run = offload_engine(adapter, connector, extra=extra)
     hits = []
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import hybrid_kv_plugin
     from hybrid_kv_plugin.config import PluginConfigError
-    from hybrid_kv_plugin.offload.scenarios import PLUGIN_CONNECTOR, STOCK_CONNECTOR
+    from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
     from hybrid_kv_plugin.registration import current_adapter
 
     hybrid_kv_plugin.register()
@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
     extra: dict = {}
     try:
-        plugin_hits, plugin = serve(adapter, PLUGIN_CONNECTOR, plan, extra)
+        plugin_hits, plugin = serve(adapter, CONNECTOR_NAME, plan, extra)
     except PluginConfigError as refused:
         print(f"{refused}\n-> running HybridSimpleCPUConnector with fine_grained_hits=false instead")
         extra = {"fine_grained_hits": False}
-        plugin_hits, plugin = serve(adapter, PLUGIN_CONNECTOR, plan, extra)
-    stock_hits, _ = serve(adapter, STOCK_CONNECTOR, plan, {})
+        plugin_hits, plugin = serve(adapter, CONNECTOR_NAME, plan, extra)
+    stock_hits, _ = serve(adapter, STOCK_CONNECTOR_NAME, plan, {})
 
     print(f"vLLM {adapter.version}; HybridSimpleCPUConnector runs the {plugin.offload_mode.value} SimpleCPU behaviour")
     print(f"{'turn':>4} {'prompt':>7} {'CPU hit (plugin)':>17} {'CPU hit (stock)':>16}")

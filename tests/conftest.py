@@ -20,14 +20,6 @@ from hybrid_kv_plugin import registration  # noqa: E402
 from hybrid_kv_plugin.adapters import select_adapter  # noqa: E402
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine  # noqa: E402
 
-# Deterministic "prompt" tokens; any ids below the tiny model's vocab work.
-BASE_TOKENS = [(i * 37) % 1000 + 1 for i in range(1, 5000)]
-
-
-def tokens(n: int, offset: int = 0) -> list[int]:
-    return BASE_TOKENS[offset : offset + n]
-
-
 @pytest.fixture(scope="session")
 def adapter():
     selection = select_adapter()

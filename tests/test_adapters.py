@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_kv_plugin.adapters import ADAPTERS, Feature, Support, adapter_for_family, parse_release, select_adapter
+from hybrid_kv_plugin.adapters import ADAPTERS, Feature, adapter_for_family, parse_release, select_adapter
 from hybrid_kv_plugin.adapters.detect import InstalledVllm, probe_family
 
-N, B, U = Support.NATIVE, Support.BACKPORT, Support.UNAVAILABLE
-# (fine-grained CPU hits, junction checkpoint, NIXL slot pairing) per supported wheel.
-CAPABILITY_TABLE = {
-    "0.26.0": (U, B, B),
-    "0.27.1": (U, B, N),
-    "0.28.0": (U, B, N),
-    "0.29.0": (B, B, N),
-    "0.30.0": (N, N, N),
-    "0.31.0": (N, N, N),
-    "0.32.0": (N, N, N),
-    "0.33.0": (N, N, N),
-}
+from helpers import CAPABILITY_TABLE, U
+
 FEATURES = (Feature.FINE_GRAINED_CPU_HITS, Feature.MAMBA_JUNCTION_CHECKPOINT, Feature.NIXL_SSM_SLOT_PAIRING)
 
 

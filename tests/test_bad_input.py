@@ -22,8 +22,9 @@ from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.patching import is_patched
 from hybrid_kv_plugin.sim import HybridGeometry
+from hybrid_kv_plugin.patches import patch_specs
 
-from conftest import tokens
+from helpers import tokens
 
 CPU = {"cpu_bytes_to_use": 1 << 20}
 FULL_ATTENTION = HybridGeometry(full_attention_only=True, num_gpu_blocks=64)
@@ -225,7 +226,7 @@ def _changed(*args, **kwargs):  # a signature no patch target has
 
 def test_every_changed_patch_target_leaves_vllm_stock(no_plugin, monkeypatch, plugin_log, adapter):
     """Each of this wheel's targets in turn (test_registration covers Scheduler.__init__ once)."""
-    specs = adapter.patch_specs()
+    specs = patch_specs(adapter)
     resolved = [(spec, *spec.resolve()) for spec in specs]
     for spec, owner, attr, _original in resolved:
         with monkeypatch.context() as patch:

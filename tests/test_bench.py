@@ -9,8 +9,7 @@ from hybrid_kv_plugin.adapters import Feature
 from hybrid_kv_plugin.sim.bench import BenchCase, run_case
 from hybrid_kv_plugin.sim.replay import ReplaySettings
 
-from test_replay_workload import small_workload
-from test_replay import STEPS, V033_STOCK
+from helpers import STEPS, V033_STOCK, small_workload
 
 
 def test_bench_times_only_scheduler_calls_and_interleaves(adapter):

@@ -14,10 +14,10 @@ import pytest
 
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.offload.mode import OffloadMode
-from hybrid_kv_plugin.offload.scenarios import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
+from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 from hybrid_kv_plugin.sim import HybridGeometry
 
-from conftest import tokens
+from helpers import tokens
 
 FA32 = HybridGeometry(attention_block_size=32)
 # The prompt whose Mamba prompt-tail state sits at 336 tokens: the last hash boundary
@@ -66,7 +66,7 @@ class StepLog:
 
 def _store_metadata(manager, event: int):
     """Per-block metadata of a store event in flight: the backport's records, or vLLM's ``block_meta``."""
-    from hybrid_kv_plugin.offload.backport import FineGrainedOffloadScheduler
+    from hybrid_kv_plugin.offload.fine_grained_scheduler import FineGrainedOffloadScheduler
 
     if isinstance(manager, FineGrainedOffloadScheduler):
         return manager.store_metadata(event)

@@ -11,9 +11,11 @@ import pytest
 from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.config import PluginConfigError
-from hybrid_kv_plugin.offload.scenarios import PLUGIN_CONNECTOR, STOCK_CONNECTOR, offload_engine
+from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
+from hybrid_kv_plugin.patches import patch_specs
+from hybrid_kv_plugin.sim.offload_scenarios import offload_engine
 
-from conftest import tokens
+from helpers import tokens
 
 EXPECTED_SUPPORT = {
     "0.26.0": Support.UNAVAILABLE,
@@ -41,16 +43,16 @@ def feature(adapter):
 
 def test_adapter_verdict_and_patches(adapter):
     assert _support(adapter) is EXPECTED_SUPPORT.get(adapter.version, Support.NATIVE)
-    names = [spec.name for spec in adapter.cpu_offload_patch_specs()]
+    names = [spec.name for spec in patch_specs(adapter) if spec.name.startswith("offload_")]
     assert names == (["offload_has_connector"] if adapter.version.startswith("0.33.") else [])
 
 
 def test_unknown_option_names_the_allowed_keys(plugin, adapter):
     with pytest.raises(PluginConfigError) as bad:
-        offload_engine(adapter, PLUGIN_CONNECTOR, extra={"fine_grained_hit": True})
+        offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hit": True})
     assert "kv_connector_extra_config.fine_grained_hit: unknown key (allowed keys: fine_grained_hits)" in str(bad.value)
     with pytest.raises(PluginConfigError, match=r"fine_grained_hits: .*allowed: true or false"):
-        offload_engine(adapter, PLUGIN_CONNECTOR, extra={"fine_grained_hits": "yes"})
+        offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hits": "yes"})
 
 
 # ---------------------------------------------------------------------- outcome counters
@@ -167,7 +169,7 @@ def test_cpu_full_drops_the_handoff(plugin, adapter, feature):
 def test_stock_modes_report_zero_stats(plugin, adapter):
     import dataclasses
 
-    run = offload_engine(adapter, PLUGIN_CONNECTOR, extra={"fine_grained_hits": False})
+    run = offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hits": False})
     run.request(tokens(336), max_tokens=4)
     connector = run.engine.connector
     stats = connector.get_boundary_store_stats().as_dict()
@@ -188,7 +190,7 @@ FINISH_STORE_BLOCKS = {"0.29.0": 20, "0.30.0": 20, "0.31.0": 20, "0.32.0": 1, "0
 def test_engine_keeps_stepping_for_stores_queued_at_finish(plugin, adapter, feature):
     """The step after A finishes has nothing to compute; it must carry (and the engine must wait for) A's stores."""
     native = _support(adapter) is Support.NATIVE
-    for connector, queued in ((PLUGIN_CONNECTOR, True), (STOCK_CONNECTOR, native)):
+    for connector, queued in ((CONNECTOR_NAME, True), (STOCK_CONNECTOR_NAME, native)):
         run = offload_engine(adapter, connector)
         engine = run.engine
         engine.add_request("a", tokens(320), max_tokens=1)
@@ -269,10 +271,10 @@ def test_engine_core_sizing_gate_sees_the_plugin_connector(no_plugin, adapter):
     )
     if not hasattr(KVTransferConfig, "has_connector"):
         pytest.skip(f"vLLM {adapter.version} has no KVTransferConfig.has_connector (no name gate to satisfy)")
-    assert direct.has_connector(STOCK_CONNECTOR) is False
+    assert direct.has_connector(STOCK_CONNECTOR_NAME) is False
     hybrid_kv_plugin.register()
     gated = adapter.simplecpu_block_count_gated_by_name
-    assert direct.has_connector(STOCK_CONNECTOR) is gated
-    assert nested.has_connector(STOCK_CONNECTOR) is gated
+    assert direct.has_connector(STOCK_CONNECTOR_NAME) is gated
+    assert nested.has_connector(STOCK_CONNECTOR_NAME) is gated
     assert direct.has_connector("NixlConnector") is False
     assert direct.has_connector(CONNECTOR_NAME) is True

@@ -11,17 +11,13 @@ import pytest
 
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
-from hybrid_kv_plugin.offload.scenarios import (
-    PLUGIN_CONNECTOR,
-    STOCK_CONNECTOR,
-    cpu_tier_hit,
-    gpu_local_hit,
-    offload_engine,
-)
 from hybrid_kv_plugin.sim import HybridGeometry
+from hybrid_kv_plugin.sim.offload_scenarios import cpu_tier_hit, gpu_local_hit, offload_engine
+from hybrid_kv_plugin.sim.wheel import make_kv_cache_tensor, resolve_block_sizes
 
-from conftest import tokens
+from helpers import tokens
 
 PROMPTS = (320, 336, 352, 368, 400, 496)
 # Where the GPU side keeps the prompt-tail Mamba state decides the best reachable hit:
@@ -86,34 +82,34 @@ def test_plugin_table(plugin, adapter):
     if support is Support.UNAVAILABLE:
         # 0.26-0.28: no boundary hand-offs to build on; one clear refusal at start-up.
         with pytest.raises(PluginConfigError) as refused:
-            offload_engine(adapter, PLUGIN_CONNECTOR)
+            offload_engine(adapter, CONNECTOR_NAME)
         assert str(refused.value) == _refusal(adapter)
         return
-    mode = offload_engine(adapter, PLUGIN_CONNECTOR).engine.connector.offload_mode
+    mode = offload_engine(adapter, CONNECTOR_NAME).engine.connector.offload_mode
     assert mode is (OffloadMode.NATIVE if support is Support.NATIVE else OffloadMode.BACKPORT)
-    plugin_row = _row(adapter, PLUGIN_CONNECTOR)
+    plugin_row = _row(adapter, CONNECTOR_NAME)
     assert plugin_row == PLUGIN_ROW[adapter.version]
     # The CPU tier serves exactly what the GPU prefix cache would have served.
     assert plugin_row == [gpu_local_hit(adapter, tokens(n)) for n in PROMPTS]
 
 
 def test_stock_table(plugin, adapter):
-    assert _row(adapter, STOCK_CONNECTOR) == STOCK_ROW[adapter.version]
+    assert _row(adapter, STOCK_CONNECTOR_NAME) == STOCK_ROW[adapter.version]
 
 
 def test_opt_out_is_the_stock_connector(plugin, adapter):
-    mode = offload_engine(adapter, PLUGIN_CONNECTOR, extra=OPT_OUT).engine.connector.offload_mode
+    mode = offload_engine(adapter, CONNECTOR_NAME, extra=OPT_OUT).engine.connector.offload_mode
     assert mode is (OffloadMode.NATIVE if _feature(adapter) is Support.NATIVE else OffloadMode.STOCK)
-    assert _row(adapter, PLUGIN_CONNECTOR, extra=OPT_OUT) == STOCK_ROW[adapter.version]
+    assert _row(adapter, CONNECTOR_NAME, extra=OPT_OUT) == STOCK_ROW[adapter.version]
 
 
 def test_finish_flush_table(plugin, adapter):
     """max_tokens=1: only the blocks stored when A finishes can serve the replay."""
-    assert _row(adapter, STOCK_CONNECTOR, max_tokens=1) == STOCK_ROW_FINISH_ONLY[adapter.version]
+    assert _row(adapter, STOCK_CONNECTOR_NAME, max_tokens=1) == STOCK_ROW_FINISH_ONLY[adapter.version]
     if _feature(adapter) is Support.UNAVAILABLE:
-        assert _row(adapter, PLUGIN_CONNECTOR, max_tokens=1, extra=OPT_OUT) == STOCK_ROW_FINISH_ONLY[adapter.version]
+        assert _row(adapter, CONNECTOR_NAME, max_tokens=1, extra=OPT_OUT) == STOCK_ROW_FINISH_ONLY[adapter.version]
     else:
-        assert _row(adapter, PLUGIN_CONNECTOR, max_tokens=1) == PLUGIN_ROW_FINISH_ONLY[adapter.version]
+        assert _row(adapter, CONNECTOR_NAME, max_tokens=1) == PLUGIN_ROW_FINISH_ONLY[adapter.version]
 
 
 def _dcp4(vllm_config) -> None:
@@ -139,24 +135,24 @@ DCP_ROW = {
 def test_dcp_geometry(plugin, adapter):
     """Attention block = 16 x DCP 4 = 64 through the real coordinators; the replicated Mamba group stays 64."""
     support = _feature(adapter)
-    connector = PLUGIN_CONNECTOR if support is not Support.UNAVAILABLE else STOCK_CONNECTOR
+    connector = CONNECTOR_NAME if support is not Support.UNAVAILABLE else STOCK_CONNECTOR_NAME
     run = offload_engine(adapter, connector, configure=_dcp4)
     gpu_coordinator = run.engine.scheduler.kv_cache_manager.coordinator
     assert adapter.offload_group_block_sizes(gpu_coordinator) == (64, 64)
     assert adapter.offload_group_block_sizes(run.engine.offload_manager.cpu_coordinator) == (64, 64)
     if support is Support.UNAVAILABLE:
         # The stock connector scales Mamba by DCP too (256), so nothing reconciles.
-        hits = [cpu_tier_hit(offload_engine(adapter, STOCK_CONNECTOR, configure=_dcp4), tokens(n)) for n in (320, 336)]
+        hits = [cpu_tier_hit(offload_engine(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4), tokens(n)) for n in (320, 336)]
         assert hits == [0, 0]
         return
     assert run.engine.offload_manager.group_block_sizes == (64, 64)
     assert [gpu_local_hit(adapter, tokens(n), configure=_dcp4) for n in PROMPTS] == PLUGIN_ROW[adapter.version]
-    plugin_row = _row(adapter, PLUGIN_CONNECTOR, configure=_dcp4)
+    plugin_row = _row(adapter, CONNECTOR_NAME, configure=_dcp4)
     assert plugin_row == DCP_ROW[adapter.version]
     if support is Support.NATIVE:
-        assert plugin_row == _row(adapter, STOCK_CONNECTOR, configure=_dcp4)
+        assert plugin_row == _row(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4)
     else:  # the stock 0.29 connector scales the Mamba group by DCP (256 tokens)
-        assert _row(adapter, STOCK_CONNECTOR, configure=_dcp4) == [0] * len(PROMPTS)
+        assert _row(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4) == [0] * len(PROMPTS)
 
 
 def test_non_hybrid_model_gets_the_stock_scheduler(plugin, adapter):
@@ -173,15 +169,15 @@ def test_non_hybrid_model_gets_the_stock_scheduler(plugin, adapter):
     # Cache block 16 on every wheel (<= 0.27 take CacheConfig.block_size from the Mamba block).
     geometry = HybridGeometry(mamba_block_size=16)
     vllm_config = build_vllm_config(
-        geometry, adapter, kv_connector=PLUGIN_CONNECTOR, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22}
+        geometry, adapter, kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22}
     )
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float16)
-    tensor = adapter.make_kv_cache_tensor(spec.page_size_bytes * 256, [ATTENTION_LAYER], spec.page_size_bytes)
+    tensor = make_kv_cache_tensor(adapter, spec.page_size_bytes * 256, [ATTENTION_LAYER], spec.page_size_bytes)
     kv_cache_config = KVCacheConfig(
         num_blocks=256, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec([ATTENTION_LAYER], spec)]
     )
     register_all_kvcache_specs(vllm_config)
-    adapter.resolve_block_sizes(kv_cache_config, vllm_config)
+    resolve_block_sizes(adapter, kv_cache_config, vllm_config)
     connector = HybridSimpleCPUConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
     native = _feature(adapter) is Support.NATIVE

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from hybrid_kv_plugin.cli.main import main
+from hybrid_kv_plugin.patches import patch_specs
 
-from test_adapters import CAPABILITY_TABLE
+from helpers import CAPABILITY_TABLE
 
 
 def test_doctor_table_matches_adapter(adapter, capsys, monkeypatch):
@@ -21,7 +22,7 @@ def test_doctor_table_matches_adapter(adapter, capsys, monkeypatch):
     assert report["status"] == "active"
     supports = tuple(f["support"] for f in report["features"])
     assert supports == tuple(s.value for s in CAPABILITY_TABLE[adapter.version])
-    assert [p["name"] for p in report["patches"]] == [s.name for s in adapter.patch_specs()]
+    assert [p["name"] for p in report["patches"]] == [s.name for s in patch_specs(adapter)]
 
 
 def test_doctor_text_names_each_feature(adapter, capsys):

@@ -17,8 +17,9 @@ import hybrid_kv_plugin
 from hybrid_kv_plugin import registration
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options, junction_active
 
-from conftest import tokens
+from helpers import tokens
 
 SWITCH_ON = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}}
 SWITCH_OFF = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": False}}
@@ -101,7 +102,7 @@ def test_switch_selects_backport_or_native(plugin, make_engine, adapter):
         assert (type(coordinator).__name__, managers) == ("HybridKVCacheCoordinator", ["FullAttentionManager", "MambaManager"])
         assert getattr(engine.vllm_config.cache_config, adapter.native_junction_flag) is True
         assert getattr(engine.scheduler.kv_cache_manager, adapter.native_junction_scheduler_attr) is True
-    assert adapter.junction_active(engine.scheduler) is True
+    assert junction_active(adapter, engine.scheduler) is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_exact_junction_stop_serves_the_next_follower(plugin, make_engine, adapt
     """
     (off_hit, on_hit), junction = EXACT_JUNCTION[adapter.version]
     shapes = [geometry()]
-    if drop := adapter.eagle_block_drop_options():
+    if drop := eagle_block_drop_options(adapter):
         shapes.append(geometry(extra_speculative_config=drop))
     measured = []
     for shape in shapes:
@@ -178,7 +179,7 @@ def test_eagle_prompt_tail_checkpoint_one_unit_lower(plugin, make_engine, adapte
     on = run_producer_and_sibling(make_engine(geometry(), additional_config=SWITCH_ON))
     assert (off["sibling"], on["sibling"]) == EAGLE_TAIL[adapter.version]
     assert off["producer"] == on["producer"] == 0
-    for drop in filter(None, [adapter.eagle_block_drop_options()]):
+    for drop in filter(None, [eagle_block_drop_options(adapter)]):
         legacy = geometry(extra_speculative_config=drop)
         off = run_producer_and_sibling(make_engine(legacy, additional_config=SWITCH_OFF))
         on = run_producer_and_sibling(make_engine(legacy, additional_config=SWITCH_ON))
@@ -252,9 +253,9 @@ def test_switch_never_lowers_a_hit(plugin, make_engine, adapter, mamba_block, ha
     off_engine = make_engine(shape, additional_config=SWITCH_OFF)
     on_engine = make_engine(shape, additional_config=SWITCH_ON)
     off, on = workload_trace(off_engine, shared), workload_trace(on_engine, shared)
-    gate_open = adapter.junction_active(on_engine.scheduler)
+    gate_open = junction_active(adapter, on_engine.scheduler)
     assert gate_open is (hash_unit < mamba_block)
-    assert adapter.junction_active(off_engine.scheduler) is False
+    assert junction_active(adapter, off_engine.scheduler) is False
     for name, hit in {**off[0], **off[1]}.items():
         assert {**on[0], **on[1]}[name] >= hit, name
     if not gate_open:
@@ -307,9 +308,9 @@ def test_closed_gate_adds_no_stop_and_no_state(plugin, make_engine, adapter, mon
         assert adapter.coordinator_reprefillable_tokens(coordinator) == REPREFILL_TAIL.get(adapter.version, 1)
     if case == "multi_module_mtp" and not REPREFILL_TAIL.get(adapter.version, 1):
         # 0.26-0.27 cache the chunk end whatever the drafter: the junction state stays valid.
-        assert adapter.junction_active(on_engine.scheduler) is True
+        assert junction_active(adapter, on_engine.scheduler) is True
         return
-    assert adapter.junction_active(on_engine.scheduler) is False
+    assert junction_active(adapter, on_engine.scheduler) is False
     assert workload_trace(on_engine, 24) == workload_trace(off_engine, 24)
     if adapter.version in BACKPORT_WHEELS:
         said = [line for line in plugin_log.messages(logging.INFO) if "inactive" in line]
@@ -329,7 +330,7 @@ def test_junction_outside_the_prompt_chunk_adds_nothing(plugin, make_engine, ada
     results = []
     for config in (SWITCH_OFF, SWITCH_ON):
         engine = make_engine(geometry(), additional_config=config)
-        assert adapter.junction_active(engine.scheduler) is (config is SWITCH_ON)
+        assert junction_active(adapter, engine.scheduler) is (config is SWITCH_ON)
         request = Request(
             request_id="resumed",
             prompt_token_ids=PREFIX[:24] + suffix(1),

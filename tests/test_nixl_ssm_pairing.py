@@ -16,7 +16,8 @@ import hybrid_kv_plugin
 from hybrid_kv_plugin import registration
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.nixl import ExchangeClip, GroupRule, SsmSlotPairingError, pair_ssm_slots
-from hybrid_kv_plugin.nixl.harness import NixlPair, decode_worker, mamba_cache_modes, worker_pairs
+from hybrid_kv_plugin.sim.nixl_pair import NixlPair, decode_worker, mamba_cache_modes, worker_pairs
+from hybrid_kv_plugin.patches import patch_specs
 
 N = None  # the pool's null block in a decode-side table
 
@@ -166,7 +167,7 @@ NIXL_PATCHES = ["nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing"]
 
 
 def test_backport_installed_only_where_native_is_missing(adapter):
-    names = [spec.name for spec in adapter.patch_specs()]
+    names = [spec.name for spec in patch_specs(adapter)]
     installed = [name for name in names if name.startswith("nixl_")]
     if _support(adapter) is Support.BACKPORT:
         assert installed == NIXL_PATCHES
@@ -176,7 +177,7 @@ def test_backport_installed_only_where_native_is_missing(adapter):
     else:
         assert _support(adapter) is Support.NATIVE
         assert installed == []
-        assert adapter.nixl_patch_specs() == []
+        assert adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING) is False
 
 
 def test_changed_nixl_worker_leaves_vllm_stock(no_plugin, adapter, monkeypatch):

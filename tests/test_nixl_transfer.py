@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from hybrid_kv_plugin.nixl.harness import NUM_BLOCKS, NixlPair, decode_worker, mamba_cache_modes, worker_pairs
+from hybrid_kv_plugin.sim.nixl_pair import NUM_BLOCKS, NixlPair, decode_worker, mamba_cache_modes, worker_pairs
 
 N = None
 PAGE_BYTES = 256

@@ -69,6 +69,7 @@ def _role_main(role: str, queue) -> None:
 
 
 def test_each_spawned_process_registers_once_and_patches_its_sides(adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import patch_specs
     from hybrid_kv_plugin.process_role import Side
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
@@ -87,8 +88,8 @@ def test_each_spawned_process_registers_once_and_patches_its_sides(adapter, monk
         assert process.exitcode == 0, process.name
 
     assert [r.get("error") for r in reports.values()] == [None] * len(ROLES)
-    every_patch = sorted(spec.name for spec in adapter.patch_specs())
-    worker_patches = sorted(spec.name for spec in adapter.patch_specs() if spec.side is Side.WORKER)
+    every_patch = sorted(spec.name for spec in patch_specs(adapter))
+    worker_patches = sorted(spec.name for spec in patch_specs(adapter) if spec.side is Side.WORKER)
     expected = {"api_server": [], "engine_core": every_patch, "worker": worker_patches, "any": every_patch}
     assert len({r["pid"] for r in reports.values()} | {os.getpid()}) == len(ROLES) + 1
     for name, role in ROLES.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 
 import pytest
@@ -11,8 +12,9 @@ import hybrid_kv_plugin
 from hybrid_kv_plugin import CONNECTOR_NAME, registration
 from hybrid_kv_plugin.adapters.detect import InstalledVllm
 from hybrid_kv_plugin.patching import PatchSet, is_patched
+from hybrid_kv_plugin.patches import patch_specs
 
-from conftest import tokens
+from helpers import tokens
 
 
 def _load_through_vllm(monkeypatch, allowed: str | None = None):
@@ -27,7 +29,7 @@ def _load_through_vllm(monkeypatch, allowed: str | None = None):
 
 
 def _resolved(adapter):
-    return [(spec, *spec.resolve()) for spec in adapter.patch_specs()]
+    return [(spec, *spec.resolve()) for spec in patch_specs(adapter)]
 
 
 def _registry():
@@ -44,7 +46,7 @@ def test_vllm_loader_discovers_and_registers(no_plugin, monkeypatch, adapter):
 
     assert registration.STATE.status == "active"
     assert registration.STATE.calls == 1
-    assert len(registration.STATE.patch_set.specs) == len(adapter.patch_specs())
+    assert len(registration.STATE.patch_set.specs) == len(patch_specs(adapter))
     config = KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_role="kv_both")
     connector_cls = KVConnectorFactory.get_connector_class(config)
     assert connector_cls.__name__ == "HybridSimpleCPUConnector"
@@ -118,10 +120,34 @@ def test_changed_patch_target_patches_nothing(no_plugin, monkeypatch, plugin_log
     monkeypatch.setattr(Scheduler, "__init__", original)
 
 
+def test_register_and_doctor_take_one_decision(no_plugin, monkeypatch, capsys):
+    """Disable switch and a changed target together: both say ``disabled`` (the switch is checked first)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from hybrid_kv_plugin.cli.main import main
+
+    def renamed(self, config, kv_cache_config, structured_output_manager, block_size, hash_block_size=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Scheduler, "__init__", renamed)
+    monkeypatch.setenv("HYBRID_KV_PLUGIN_DISABLE", "1")
+    hybrid_kv_plugin.register()
+    assert (registration.STATE.status, registration.STATE.reason) == ("disabled", "HYBRID_KV_PLUGIN_DISABLE is set")
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "disabled"
+
+    hybrid_kv_plugin.uninstall()
+    monkeypatch.delenv("HYBRID_KV_PLUGIN_DISABLE")
+    hybrid_kv_plugin.register()
+    assert registration.STATE.status == "mismatch"
+    assert main(["doctor", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["status"] == "mismatch"
+
+
 def test_patch_set_is_all_or_nothing(no_plugin, adapter):
     from hybrid_kv_plugin.patching import PatchMismatch, PatchSpec
 
-    good = adapter.patch_specs()
+    good = patch_specs(adapter)
     owners = [(owner, attr, original) for _, owner, attr, original in _resolved(adapter)]
     missing = PatchSpec(
         name="renamed_attribute",

@@ -1,6 +1,6 @@
 """``hybrid-kv replay`` on the installed wheel: exact reuse, steps and loss attribution.
 
-The small workload (``test_replay_workload.small_workload``): two conversations whose later
+The small workload (``helpers.small_workload``): two conversations whose later
 turns follow a GPU-cache eviction (CPU-tier reuse) or not (GPU reuse), and one EAGLE
 agent family (root, two siblings on the GPU, two after an eviction). No prompt ends on a
 hash boundary, where wheels legitimately place the prompt-tail checkpoint differently.
@@ -22,15 +22,9 @@ from hybrid_kv_plugin.sim.attribution import Bucket
 from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
 from hybrid_kv_plugin.sim.workload import default_workload
 
-from test_replay_workload import small_workload
+from helpers import STEPS, V033_STOCK, small_workload
 
-# Measured on stock vLLM 0.33.0: the reference every wheel with fine-grained CPU hits must match.
-V033_STOCK = {
-    "ideal_tokens": 1856,
-    "reused_gpu_tokens": 320,
-    "reused_cpu_tokens": 496,
-    "loss": {"no_mamba_state": 976, "eagle_prune": 64},
-}
+# V033_STOCK and STEPS are in helpers (test_bench reads them too).
 V033_JUNCTION = {
     "ideal_tokens": 1856,
     "reused_gpu_tokens": 512,
@@ -54,14 +48,6 @@ STOCK_WITHOUT_FEATURE = {
     "0.28.0": (336, 192, {"no_mamba_state": 240, "eagle_prune": 64, "handoff_dropped": 1024}),
     # 0.29 publishes the boundary hand-offs and its SimpleCPU ignores them.
     "0.29.0": (336, 192, {"no_mamba_state": 976, "eagle_prune": 64, "handoff_dropped": 288}),
-}
-# Scheduler steps of (stock, plugin, plugin+junction) where the plugin runs.
-STEPS = {
-    "0.29.0": (40, 40, 39),
-    "0.30.0": (36, 36, 35),
-    "0.31.0": (36, 36, 35),
-    "0.32.0": (36, 36, 35),
-    "0.33.0": (36, 36, 35),
 }
 
 

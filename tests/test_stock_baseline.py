@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tokens
+from helpers import tokens
 
 PROMPTS = (320, 336, 352, 368, 400, 496)
 STOCK_CPU_HITS = {

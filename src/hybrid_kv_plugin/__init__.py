@@ -6,9 +6,9 @@ than once. Importing this package is cheap: nothing from vLLM is imported until
 :func:`register` runs.
 """
 
-__version__ = "0.1.0.dev0"
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 
-CONNECTOR_NAME = "HybridSimpleCPUConnector"
+__version__ = "0.1.0.dev0"
 
 
 def register() -> None:

@@ -79,12 +79,9 @@ def _describe_error(prefix: str, model: type[BaseModel], err: ValidationError) -
 
 
 def _allowed_values(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) or str(annotation)
-    if annotation is bool:
+    if annotation is bool:  # every option today
         return "true or false"
-    if text in ("int | None", "Optional[int]") or "int" in text:
-        return "a positive integer"
-    return text
+    return getattr(annotation, "__name__", None) or str(annotation)
 
 
 def _validate(model: type[BaseModel], prefix: str, raw: Any) -> Any:

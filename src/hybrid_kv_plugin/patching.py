@@ -1,15 +1,19 @@
 """All-or-nothing installation of the plugin's patches into vLLM.
 
 A :class:`PatchSpec` names one attribute of vLLM (``module:Owner.attr``), the
-shape the plugin expects it to have (:class:`Fingerprint`), and how to build its
-replacement from the original. :class:`PatchSet` resolves and checks *every*
-target before it touches any: one mismatch and nothing is patched. Originals
-are recorded so :meth:`PatchSet.uninstall` restores vLLM exactly (including
-deleting an attribute that a subclass only inherited before).
+shape the plugin expects it to have (:class:`Fingerprint`, or
+:class:`ReadsFingerprint` when the stock code's own inputs matter), and how to
+build its replacement from the original. :class:`PatchSet` resolves and checks
+*every* target before it touches any: one mismatch and nothing is patched.
+Originals are recorded so :meth:`PatchSet.uninstall` restores vLLM exactly
+(including deleting an attribute that a subclass only inherited before).
+:class:`Installs` is what each patch module declares for the manifest
+(:mod:`hybrid_kv_plugin.patches`): on which wheels the patch applies.
 """
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
@@ -61,6 +65,65 @@ class Fingerprint:
         return None
 
 
+def self_attribute_reads(function: Callable[..., Any]) -> frozenset[str]:
+    """Every ``self.<name>`` the function's own body loads (not nested functions).
+
+    A wrapper (``functools.wraps``) answers for the function it wraps, so the check
+    still holds while the plugin's own wrapper is installed.
+    """
+    names = set()
+    previous = None
+    for instruction in dis.get_instructions(inspect.unwrap(function)):
+        if (
+            previous is not None
+            # LOAD_DEREF: ``self`` is a cell when a nested function captures it.
+            and (previous.opname.startswith("LOAD_FAST") or previous.opname == "LOAD_DEREF")
+            and previous.argval == "self"
+            and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+        ):
+            names.add(instruction.argval)
+        previous = instruction
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class ReadsFingerprint(Fingerprint):
+    """``Fingerprint`` plus the ``self`` attributes the original reads (exactly, or ``at_least``)."""
+
+    self_reads: frozenset[str] = frozenset()
+    # True: the original must read at least ``self_reads`` (other reads may come and go).
+    at_least: bool = False
+
+    def check(self, original: Any, owner: Any) -> str | None:
+        if reason := super().check(original, owner):
+            return reason
+        found = self_attribute_reads(original)
+        if self.at_least and self.self_reads <= found:
+            return None
+        if found != self.self_reads:
+            extra = ", ".join(sorted(found - self.self_reads)) or "-"
+            missing = ", ".join(sorted(self.self_reads - found)) or "-"
+            return f"reads different scheduler attributes (new: {extra}; gone: {missing})"
+        return None
+
+
+@dataclass(frozen=True)
+class Installs:
+    """Which wheels get a patch: declared by each patch module as ``INSTALLS``.
+
+    ``when`` decides, from adapter facts only (never a version number). ``since`` /
+    ``removed_in`` state the tested wheels that gives, for people and for the manifest
+    test: the first wheel it is installed on, and the first it is no longer installed
+    on (``None``: still installed on the newest supported wheel). ``permanent``: no
+    upstream change is expected to make it unnecessary.
+    """
+
+    when: Callable[[Any], bool]
+    since: str
+    removed_in: str | None = None
+    permanent: bool = False
+
+
 @dataclass(frozen=True)
 class PatchSpec:
     """One replaced attribute. ``target`` is ``"package.module:Owner.attr"`` or ``"package.module:attr"``."""
@@ -72,7 +135,6 @@ class PatchSpec:
     # Documentation carried with the patch and printed by ``hybrid-kv doctor``.
     why: str = ""
     upstream: str = ""
-    removed_in: str = ""
     # The vLLM side that calls the patched attribute; a process installs only its sides' patches.
     side: Side = Side.SCHEDULER
 
@@ -116,10 +178,6 @@ class PatchSet:
             raise ValueError(f"duplicate patch names in {names}")
         self.specs = tuple(specs)
         self._applied: list[_Applied] = []
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._applied)
 
     def check(self) -> list[PatchMismatch]:
         """Every mismatch among the targets, without patching anything."""

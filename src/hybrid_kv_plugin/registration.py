@@ -1,5 +1,6 @@
 """What ``register()`` does in each vLLM process, exactly once until ``uninstall()``.
 
+:func:`decide` makes the decision (``hybrid-kv doctor`` reports the same one).
 Order: honour ``HYBRID_KV_PLUGIN_DISABLE``; select the adapter (unsupported wheel ->
 inert, one log line); check *every* patch target of the wheel (mismatch -> inert, one
 log line naming the target), then install the patches of the sides this process runs
@@ -17,21 +18,84 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin._log import forget_logged, log_once
 from hybrid_kv_plugin.config import ENV_DISABLE, plugin_disabled
+from hybrid_kv_plugin.connector_names import CONNECTOR_CLASS, CONNECTOR_MODULE, CONNECTOR_NAME
 
-CONNECTOR_MODULE = "hybrid_kv_plugin.connector.simple_cpu"
-CONNECTOR_CLASS = "HybridSimpleCPUConnector"
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters import AdapterSelection, VllmAdapter
+    from hybrid_kv_plugin.patching import PatchMismatch, PatchSpec
+
+
+class Status(StrEnum):
+    """Where ``register()`` left this process (``hybrid-kv doctor`` prints the same words)."""
+
+    UNREGISTERED = "unregistered"  # register() has not run (or uninstall() undid it)
+    DISABLED = "disabled"  # HYBRID_KV_PLUGIN_DISABLE is set: vLLM runs stock
+    UNSUPPORTED = "unsupported"  # no adapter for the installed vLLM: vLLM runs stock
+    MISMATCH = "mismatch"  # a patch target changed shape: nothing patched, vLLM runs stock
+    ACTIVE = "active"  # every patch of this process's sides installed, connector registered
+
+
+@dataclass
+class Decision:
+    """What the plugin does on this machine, before anything is patched.
+
+    Checked in this order, the first that holds wins: the disable switch, an adapter
+    for the installed vLLM, every patch target of the wheel (all sides). ``specs`` (the
+    manifest's, all sides) and ``mismatches`` are filled once an adapter is selected.
+    """
+
+    status: Status
+    reason: str
+    selection: AdapterSelection | None = None  # once one was made
+    specs: list[PatchSpec] = field(default_factory=list)
+    mismatches: list[PatchMismatch] = field(default_factory=list)
+
+    @property
+    def adapter(self) -> VllmAdapter | None:
+        return self.selection.adapter if self.selection is not None else None
+
+
+def decide(*, look_past_disable: bool = False) -> Decision:
+    """The one decision ``register()`` acts on and ``hybrid-kv doctor`` reports.
+
+    ``look_past_disable``: still select the adapter and check the targets when the
+    plugin is disabled (the doctor shows them; the status stays ``disabled``).
+    """
+    disabled = plugin_disabled()
+    why_disabled = f"{ENV_DISABLE} is set"
+    if disabled and not look_past_disable:
+        return Decision(Status.DISABLED, why_disabled)
+
+    from hybrid_kv_plugin.adapters import select_adapter
+    from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
+    from hybrid_kv_plugin.patches import patch_specs
+    from hybrid_kv_plugin.patching import PatchSet
+
+    selection = select_adapter()
+    if selection.adapter is None:
+        status = Status.DISABLED if disabled else Status.UNSUPPORTED
+        return Decision(status, why_disabled if disabled else selection.reason, selection)
+    specs = patch_specs(selection.adapter)
+    mismatches = PatchSet(specs).check()
+    if disabled:
+        return Decision(Status.DISABLED, why_disabled, selection, specs, mismatches)
+    if mismatches:
+        first = mismatches[0]
+        reason = f"patch target {first.target} changed ({first.reason}); supported vLLM {SUPPORTED_RANGE}"
+        return Decision(Status.MISMATCH, reason, selection, specs, mismatches)
+    return Decision(Status.ACTIVE, selection.reason, selection, specs)
 
 
 @dataclass
 class RegistrationState:
-    """Outcome of ``register()`` in this process; ``status`` is one of
-    ``active``, ``disabled``, ``unsupported``, ``mismatch``, or ``unregistered``."""
+    """Outcome of ``register()`` in this process."""
 
-    status: str = "unregistered"
+    status: Status = Status.UNREGISTERED
     reason: str = ""
     role: str = ""
     adapter: object | None = None
@@ -48,55 +112,43 @@ STATE = RegistrationState()
 def register_plugin() -> RegistrationState:
     with STATE.lock:
         STATE.calls += 1
-        if STATE.status != "unregistered":
+        if STATE.status is not Status.UNREGISTERED:
             return STATE
         _register_locked()
         return STATE
 
 
 def _register_locked() -> None:
-    if plugin_disabled():
-        STATE.status, STATE.reason = "disabled", f"{ENV_DISABLE} is set"
+    decision = decide()
+    STATE.status, STATE.reason = decision.status, decision.reason
+    if decision.status is Status.DISABLED:
         log_once(logging.INFO, "hybrid-kv-plugin: disabled by %s; vLLM runs stock", ENV_DISABLE)
         return
-
-    from hybrid_kv_plugin.adapters import select_adapter
-    from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
-    from hybrid_kv_plugin.patching import PatchMismatch, PatchSet
+    if decision.status is Status.UNSUPPORTED:
+        log_once(logging.WARNING, "hybrid-kv-plugin: inert, %s; vLLM runs stock", decision.reason)
+        return
+    from hybrid_kv_plugin.patching import PatchSet
     from hybrid_kv_plugin.process_role import current_role
 
-    selection = select_adapter()
-    if selection.adapter is None:
-        STATE.status, STATE.reason = "unsupported", selection.reason
-        log_once(logging.WARNING, "hybrid-kv-plugin: inert, %s; vLLM runs stock", selection.reason)
-        return
-    adapter = selection.adapter
+    adapter = decision.adapter
     role = current_role()
-    specs = adapter.patch_specs()
-    STATE.role = role.value
-    patch_set = PatchSet([spec for spec in specs if spec.side in role.sides])
-    try:
-        if problems := PatchSet(specs).check():
-            raise problems[0]
-        patch_set.install()
-    except PatchMismatch as exc:
-        STATE.status = "mismatch"
-        STATE.reason = f"patch target {exc.target} changed ({exc.reason}); supported vLLM {SUPPORTED_RANGE}"
-        STATE.adapter = adapter
-        log_once(logging.WARNING, "hybrid-kv-plugin: inert, nothing patched: %s", STATE.reason)
+    STATE.adapter, STATE.role = adapter, role.value
+    if decision.status is Status.MISMATCH:
+        log_once(logging.WARNING, "hybrid-kv-plugin: inert, nothing patched: %s", decision.reason)
         return
+    patch_set = PatchSet([spec for spec in decision.specs if spec.side in role.sides])
+    patch_set.install()  # every target was just checked: all of them go in
     STATE.installs += 1
-    STATE.adapter, STATE.patch_set = adapter, patch_set
+    STATE.patch_set = patch_set
     STATE.registered_connector = _register_connector()
-    STATE.status, STATE.reason = "active", selection.reason
     log_once(
         logging.INFO,
         "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches)",
-        selection.reason,
+        decision.reason,
         adapter.name,
         role.value,
         len(patch_set.specs),
-        len(specs),
+        len(decision.specs),
     )
 
 
@@ -118,7 +170,7 @@ def uninstall_plugin() -> None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
             KVConnectorFactory._registry.pop(CONNECTOR_NAME, None)
-        STATE.status, STATE.reason, STATE.role = "unregistered", "", ""
+        STATE.status, STATE.reason, STATE.role = Status.UNREGISTERED, "", ""
         STATE.adapter = STATE.patch_set = None
         STATE.registered_connector = False
         STATE.calls = STATE.installs = 0

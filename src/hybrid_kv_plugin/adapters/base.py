@@ -3,17 +3,16 @@
 Feature code never compares versions; it asks the selected adapter. Each family
 module (``vllm_0_26`` ... ``vllm_0_33``) subclasses the previous family and
 overrides only what changed, so a difference between two wheels is one line in
-one file.
+one file. Which patches a wheel gets is not decided here: the manifest in
+:mod:`hybrid_kv_plugin.patches` reads these facts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from hybrid_kv_plugin.adapters.capabilities import Feature, FeatureVerdict, Support
 
-if TYPE_CHECKING:
-    from hybrid_kv_plugin.patching import PatchSpec
 
 
 class VllmAdapter:
@@ -32,11 +31,14 @@ class VllmAdapter:
     cache_block_size_is_mamba_block_size: ClassVar[bool] = True
     # Request hashes include speculative lookahead tokens (0.33+).
     hashes_lookahead_tokens: ClassVar[bool] = False
+    # Under EAGLE block drop the engine flags exactly the KV-cache groups holding a draft
+    # layer as EAGLE groups (0.33+); older wheels flag none for plain EAGLE.
+    eagle_groups_follow_draft_layers: ClassVar[bool] = False
     # KVCacheConfig carries hash_block_size / cache_hit_alignment_tokens (0.33+).
     kv_cache_config_carries_hash_sizes: ClassVar[bool] = False
     # The native CacheConfig field of the junction checkpoint, if the wheel has one.
     native_junction_flag: ClassVar[str | None] = None
-    # Junction checkpoint (seed 003). The Scheduler attribute holding the native gate (0.30+).
+    # Junction checkpoint. The Scheduler attribute holding the native gate (0.30+).
     native_junction_scheduler_attr: ClassVar[str | None] = None
     # The Scheduler's EAGLE block-drop bit (0.30 split it from ``use_eagle``).
     scheduler_eagle_drop_attr: ClassVar[str] = "use_eagle"
@@ -63,7 +65,7 @@ class VllmAdapter:
     simplecpu_stock_keys: ClassVar[frozenset[str]] = frozenset(
         {"cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload"}
     )
-    # SimpleCPU offload (seed 000). The worker submits a step's stores even when the
+    # Fine-grained CPU offload hits. The worker submits a step's stores even when the
     # step runs no forward pass (0.30+); older workers submit only from wait_for_save.
     simplecpu_worker_submits_without_forward: ClassVar[bool] = False
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
@@ -126,69 +128,23 @@ class VllmAdapter:
     def supports(self, feature: Feature) -> bool:
         return self.verdict(feature).support is not Support.UNAVAILABLE
 
-    # ------------------------------------------------------------------ patches
-    def patch_specs(self) -> list[PatchSpec]:
-        """Every patch this wheel needs, in install order (all installed, or none)."""
-        from hybrid_kv_plugin.patches import scheduler_plugin_config
+    def installs_backport(self, feature: Feature) -> bool:
+        """Whether the plugin's backport of ``feature`` goes into this wheel: shipped, and not native."""
+        return self.verdict(feature).support is Support.BACKPORT
 
-        return [
-            scheduler_plugin_config.spec(self),
-            *self.nixl_patch_specs(),
-            *self.junction_patch_specs(),
-            *self.cpu_offload_patch_specs(),
-            *self.scheduler_liveness_patch_specs(),
-        ]
-
-    # One hook per seed feature; each returns [] where the wheel is native or the
-    # feature is unavailable.
-    def nixl_patch_specs(self) -> list[PatchSpec]:
-        """Seed 004: NIXL SSM exchange clip + worker pairing."""
-        return []
-
-    def junction_patch_specs(self) -> list[PatchSpec]:
-        """Seed 003: Mamba shared-prefix (junction) checkpoint."""
-        return []
-
+    # ------------------------------------------------------------------ runtime facts
     def coordinator_reprefillable_tokens(self, coordinator: Any) -> int:
         """Tokens a multi-module MTP drafter may re-prefill, which the coordinator leaves uncached.
 
         0.26-0.27 know no such tail (their coordinators cache the chunk end)."""
         return 0
 
-    def eagle_block_drop_options(self) -> dict[str, Any]:
-        """SpeculativeConfig fields that keep EAGLE on the trailing-block drop.
-
-        Up to 0.32 EAGLE always drops the last matched prefix-cache unit; 0.33 hashes
-        the drafter's lookahead token instead and drops nothing unless told not to.
-        """
-        return {}
-
-    def junction_active(self, scheduler: Any) -> bool:
-        """Whether the junction checkpoint is in effect on ``scheduler`` (switch on and gate open)."""
-        if self.native_junction_scheduler_attr:
-            return bool(getattr(scheduler, self.native_junction_scheduler_attr))
-        from hybrid_kv_plugin.junction import plan_of
-
-        return plan_of(scheduler).enabled
-
-    def cpu_offload_patch_specs(self) -> list[PatchSpec]:
-        """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""
-        return []
-
-    def scheduler_liveness_patch_specs(self) -> list[PatchSpec]:
-        """The async-load deadlock fix (found by the randomized suite), where the wheel reserves for loads."""
-        if self.first_waiting_queue_attr is None:
-            return []
-        from hybrid_kv_plugin.patches import async_load_liveness
-
-        return [async_load_liveness.spec(self)]
-
     def request_holds_kv_blocks(self, scheduler: Any, request_id: str) -> bool:
         """Whether the KV cache manager holds a real (non-null) block for the request, in any group."""
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         return any(not block.is_null for manager in managers for block in manager.req_to_blocks.get(request_id, ()))
 
-    # ------------------------------------------------------------------ SimpleCPU offload geometry (seed 000)
+    # ------------------------------------------------------------------ SimpleCPU offload geometry
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         """Physical block size of each KV-cache group, as the coordinator's managers resolved it.
 
@@ -218,59 +174,3 @@ class VllmAdapter:
     def native_junction_flag_set(self, vllm_config: Any) -> bool:
         flag = self.native_junction_flag
         return bool(flag and getattr(vllm_config.cache_config, flag, False))
-
-    # ------------------------------------------------------------------ building blocks for tests and replay
-    def make_kv_cache_tensor(self, size: int, layer_names: list[str], page_size: int) -> Any:
-        from vllm.v1.kv_cache_interface import KVCacheTensor
-
-        if self.kv_cache_tensor_style == "shared_by":
-            return KVCacheTensor(size=size, shared_by=list(layer_names))
-        # Groups overlay one allocation: every layer starts at offset 0, one page per block.
-        return KVCacheTensor(size=size, layers=list(layer_names), layer_stride=0, block_stride=page_size)
-
-    def resolve_block_sizes(self, kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
-        """(scheduler block size, hash block size), recorded where the wheel's engine records them."""
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
-        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        if self.kv_cache_config_carries_hash_sizes:
-            from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
-
-            kv_cache_config.hash_block_size = hash_block_size
-            kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-                kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
-            )
-        return scheduler_block_size, hash_block_size
-
-    def request_block_hasher(self, vllm_config: Any, hash_block_size: int) -> Any:
-        """The per-request hasher built the way the wheel's EngineCore builds it."""
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        if self.hashes_lookahead_tokens:
-            return get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
-        return get_request_block_hasher(hash_block_size, hash_fn)
-
-    def mark_eagle_groups(self, vllm_config: Any, kv_cache_config: Any, draft_layers: frozenset[str]) -> None:
-        """Flag ``is_eagle_group`` on the groups the wheel's engine would flag for this model.
-
-        0.26-0.32 flag nothing for plain EAGLE on a non-DeepSeek-V4 model (0.26-0.28 only know
-        the DeepSeek-V4 MTP layer; 0.29-0.32 ``_annotate_eagle_groups`` reads a DSpark-only spec
-        marker), so their coordinators fall back to treating every group as an EAGLE group.
-        """
-        return None
-
-    def boundary_handoffs(self, scheduler_output: Any) -> dict[str, list[int]]:
-        """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
-        (``{}`` on wheels without the hand-off channel, or without a connector)."""
-        if not self.has_boundary_handoffs:
-            return {}
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if block_state is None:
-            return {}
-        return {
-            req_id: [num_tokens for _group, _block, num_tokens in entries]
-            for req_id, entries in block_state.boundary_state_offloads.items()
-        }

@@ -1,4 +1,4 @@
-"""Plain data for the capability table: what each seed feature is on a wheel, and why."""
+"""Plain data for the capability table: what each feature is on a wheel, and why."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from enum import Enum
 
 
 class Feature(str, Enum):
-    """The three seed features, named for what a user gets."""
+    """The three features, named for what a user gets."""
 
-    FINE_GRAINED_CPU_HITS = "fine_grained_cpu_hits"  # seed 000, vLLM PR #54736
-    MAMBA_JUNCTION_CHECKPOINT = "mamba_junction_checkpoint"  # seed 003, vLLM PR #53945
-    NIXL_SSM_SLOT_PAIRING = "nixl_ssm_slot_pairing"  # seed 004, vLLM 0.27.0
+    FINE_GRAINED_CPU_HITS = "fine_grained_cpu_hits"  # vLLM PR #54736
+    MAMBA_JUNCTION_CHECKPOINT = "mamba_junction_checkpoint"  # vLLM PR #53945
+    NIXL_SSM_SLOT_PAIRING = "nixl_ssm_slot_pairing"  # vLLM 0.27.0
 
     @property
     def title(self) -> str:

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hybrid_kv_plugin.adapters.base import VllmAdapter
 from hybrid_kv_plugin.adapters.capabilities import Feature
-
-if TYPE_CHECKING:
-    from hybrid_kv_plugin.patching import PatchSpec
 
 
 class Vllm026Adapter(VllmAdapter):
@@ -19,19 +14,10 @@ class Vllm026Adapter(VllmAdapter):
         Feature.MAMBA_JUNCTION_CHECKPOINT,
     }
 
-    def nixl_patch_specs(self) -> list[PatchSpec]:
-        """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""
-        if self.has_native_nixl_ssm_clip or _nixl_scheduler_clips_ssm():
-            return []
-        from hybrid_kv_plugin.patches import nixl_exchange_clip, nixl_save_meta, nixl_worker_pairing
-
-        return [nixl_exchange_clip.spec(self), nixl_save_meta.spec(self), nixl_worker_pairing.spec(self)]
-
-    def junction_patch_specs(self) -> list[PatchSpec]:
-        """Seed 003 backport (0.26-0.29): the split adds the junction stop; the coordinator owns the plan."""
-        from hybrid_kv_plugin.patches import junction_coordinator, junction_split
-
-        return [junction_coordinator.spec(self), junction_split.spec(self)]
+    def installs_backport(self, feature: Feature) -> bool:
+        if feature is Feature.NIXL_SSM_SLOT_PAIRING and _nixl_scheduler_clips_ssm():
+            return False
+        return super().installs_backport(feature)
 
 
 def _nixl_scheduler_clips_ssm() -> bool:

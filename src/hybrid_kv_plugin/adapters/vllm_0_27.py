@@ -1,4 +1,4 @@
-"""vLLM 0.27.x: the NIXL scheduler clips SSM exchange lists natively (seed 004)."""
+"""vLLM 0.27.x: the NIXL scheduler clips SSM exchange lists natively (Mamba state-slot pairing)."""
 
 from hybrid_kv_plugin.adapters.vllm_0_26 import Vllm026Adapter
 
@@ -12,7 +12,3 @@ class Vllm027Adapter(Vllm026Adapter):
     junction_split_reads = Vllm026Adapter.junction_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
     mamba_partial_tail_reads = Vllm026Adapter.mamba_partial_tail_reads | {"_producer_partial_tail_reqs"}
     mamba_tracks_partial_tail_producers = True
-
-    def nixl_patch_specs(self) -> list:
-        """Seed 004 is native here (``get_exchange_clipped_blocks``): delegate, patch nothing."""
-        return []

@@ -10,7 +10,7 @@ class Vllm030Adapter(Vllm029Adapter):
     families = ((0, 30),)
     tested_wheels = ("0.30.0",)
     has_native_fine_grained_cpu_hits = True
-    # Native wins: the 0.29 backport of seed 000 is not shipped (nor installed) here.
+    # Native wins: the 0.29 backports of both features are not shipped (nor installed) here.
     backports_shipped = Vllm029Adapter.backports_shipped - {
         Feature.FINE_GRAINED_CPU_HITS,
         Feature.MAMBA_JUNCTION_CHECKPOINT,
@@ -20,10 +20,6 @@ class Vllm030Adapter(Vllm029Adapter):
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
     native_junction_scheduler_attr = "mamba_fine_grained_prefix_cache"
     scheduler_eagle_drop_attr = "use_eagle_block_drop"
-
-    def junction_patch_specs(self) -> list:
-        """Seed 003 is native (the switch maps onto the CacheConfig flag): patch nothing."""
-        return []
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)

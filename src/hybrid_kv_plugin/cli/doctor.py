@@ -7,12 +7,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+from hybrid_kv_plugin.registration import Status
+
 
 @dataclass
 class DoctorReport:
     vllm_version: str
     plugin_version: str
-    status: str  # active / disabled / unsupported / mismatch
+    status: Status
     reason: str
     adapter: str | None
     features: list[dict[str, str]] = field(default_factory=list)
@@ -21,51 +23,46 @@ class DoctorReport:
 
     @property
     def ok(self) -> bool:
-        return self.status == "active"
+        return self.status == Status.ACTIVE
 
 
 def collect(serve_args: list[str] | None = None) -> DoctorReport:
-    """Run the same decision ``register()`` makes, without patching anything."""
+    """Report the decision ``register()`` makes (:func:`hybrid_kv_plugin.registration.decide`), patching nothing."""
     from hybrid_kv_plugin import __version__
-    from hybrid_kv_plugin.adapters import select_adapter
     from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
-    from hybrid_kv_plugin.config import ENV_DISABLE, plugin_disabled
-    from hybrid_kv_plugin.patching import PatchSet
+    from hybrid_kv_plugin.registration import decide
 
-    selection = select_adapter()
-    adapter = selection.adapter
+    decision = decide(look_past_disable=True)
+    selection, adapter = decision.selection, decision.adapter
     report = DoctorReport(
         vllm_version=selection.installed.raw or "not installed",
         plugin_version=__version__,
-        status="active",
-        reason=selection.reason,
+        status=decision.status,
+        reason=decision.reason,
         adapter=adapter.name if adapter else None,
     )
     if adapter is None:
-        report.status = "unsupported"
         return report
+    from hybrid_kv_plugin.patches import planned_patches
+
     report.features = [
         {"feature": v.feature.value, "title": v.feature.title, "support": v.support.value, "reason": v.reason}
         for v in adapter.verdicts()
     ]
-    specs = adapter.patch_specs()
     report.patches = [
         {
-            "name": s.name,
-            "target": s.target,
-            "side": s.side.value,
-            "why": s.why,
-            "upstream": s.upstream,
-            "removed_in": s.removed_in,
+            "name": p.spec.name,
+            "target": p.spec.target,
+            "side": p.spec.side.value,
+            "why": p.spec.why,
+            "upstream": p.spec.upstream,
+            "removed_in": p.removed_in,
         }
-        for s in specs
+        for p in planned_patches(adapter)
     ]
-    mismatches = PatchSet(specs).check()
-    if mismatches:
-        report.status = "mismatch"
-        report.reason = "; ".join(str(m) for m in mismatches) + f"; supported vLLM {SUPPORTED_RANGE}"
-    elif plugin_disabled():
-        report.status, report.reason = "disabled", f"{ENV_DISABLE} is set"
+    if decision.status is Status.MISMATCH:
+        # Every changed target, not only the first one register() logs.
+        report.reason = "; ".join(str(m) for m in decision.mismatches) + f"; supported vLLM {SUPPORTED_RANGE}"
     if serve_args:
         from hybrid_kv_plugin.cli.serve_args import check_serve_args
 
@@ -114,4 +111,4 @@ def run_doctor(json_output: bool = False, out: TextIO | None = None, serve_args:
         render(report, out)
     if report.serve_check is not None and report.serve_check["errors"]:
         return 2
-    return 0 if report.status in ("active", "disabled") else 1
+    return 0 if report.status in (Status.ACTIVE, Status.DISABLED) else 1

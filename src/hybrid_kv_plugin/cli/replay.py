@@ -17,39 +17,52 @@ CONFIG_NAMES = ("stock", "plugin", "plugin+junction")
 
 # ---------------------------------------------------------------------------- shared with bench
 def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybrid_kv_plugin.sim.replay import ReplaySettings as default
+
     g = parser.add_argument_group("geometry and pools")
-    g.add_argument("--attention-block-size", type=int, default=16, metavar="N", help="full-attention block (tokens)")
-    g.add_argument("--mamba-block-size", type=int, default=64, metavar="N", help="Mamba block (tokens)")
-    g.add_argument("--prefix-match-unit", type=int, default=16, metavar="N", help="hash unit of prefix matching")
-    g.add_argument("--gpu-blocks", type=int, default=1024, metavar="N", help="GPU KV-cache blocks")
-    g.add_argument("--cpu-blocks", type=int, default=8192, metavar="N", help="CPU-tier blocks (SimpleCPU pool)")
+    g.add_argument(
+        "--attention-block-size", type=int, default=default.attention_block_size, metavar="N",
+        help="full-attention block (tokens)",
+    )
+    g.add_argument(
+        "--mamba-block-size", type=int, default=default.mamba_block_size, metavar="N", help="Mamba block (tokens)"
+    )
+    g.add_argument(
+        "--prefix-match-unit", dest="hash_block_size", type=int, default=default.hash_block_size, metavar="N",
+        help="hash unit of prefix matching",
+    )
+    g.add_argument("--gpu-blocks", type=int, default=default.gpu_blocks, metavar="N", help="GPU KV-cache blocks")
+    g.add_argument(
+        "--cpu-blocks", type=int, default=default.cpu_blocks, metavar="N", help="CPU-tier blocks (SimpleCPU pool)"
+    )
     eagle = g.add_mutually_exclusive_group()
     eagle.add_argument("--eagle", dest="eagle", action="store_true", default=None, help="EAGLE on in every segment")
     eagle.add_argument("--no-eagle", dest="eagle", action="store_false", help="EAGLE off in every segment")
-    g.add_argument("--num-speculative-tokens", type=int, default=1, metavar="N")
+    g.add_argument("--num-speculative-tokens", type=int, default=default.num_speculative_tokens, metavar="N")
     g.add_argument(
-        "--transfer-delay-steps", type=int, default=0, metavar="N",
+        "--transfer-delay-steps", type=int, default=default.transfer_delay_steps, metavar="N",
         help="steps the simulated worker takes to finish a CPU transfer (in-flight stores hold CPU blocks)",
     )
 
 
-SETTINGS_FLAGS = (
-    "attention_block_size",
-    "mamba_block_size",
-    "prefix_match_unit",
-    "gpu_blocks",
-    "cpu_blocks",
-    "num_speculative_tokens",
-    "transfer_delay_steps",
-)
+# ReplaySettings field -> the flag that sets it.
+SETTINGS_FLAGS = {
+    "attention_block_size": "--attention-block-size",
+    "mamba_block_size": "--mamba-block-size",
+    "hash_block_size": "--prefix-match-unit",
+    "gpu_blocks": "--gpu-blocks",
+    "cpu_blocks": "--cpu-blocks",
+    "num_speculative_tokens": "--num-speculative-tokens",
+    "transfer_delay_steps": "--transfer-delay-steps",
+}
 
 
 def settings_from(args: argparse.Namespace) -> Any:
     from hybrid_kv_plugin.sim.replay import ReplaySettings
 
-    for name in SETTINGS_FLAGS:
+    for name, flag in SETTINGS_FLAGS.items():
         if getattr(args, name) < (0 if name == "transfer_delay_steps" else 1):
-            raise SystemExit(f"hybrid-kv: --{name.replace('_', '-')} must be a positive integer")
+            raise SystemExit(f"hybrid-kv: {flag} must be a positive integer")
     return ReplaySettings(**{name: getattr(args, name) for name in SETTINGS_FLAGS})
 
 
@@ -201,7 +214,7 @@ def render_report(report: dict, out: TextIO) -> None:
     w(f"hybrid-kv replay on vLLM {report['vllm']}: {requests} requests ({segs})\n")
     w(
         f"geometry: FA {s['attention_block_size']} / Mamba {s['mamba_block_size']} {s['mamba_cache_mode']} / "
-        f"prefix-match unit {s['prefix_match_unit']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n\n"
+        f"prefix-match unit {s['hash_block_size']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n\n"
     )
     results = report["results"]
     header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")

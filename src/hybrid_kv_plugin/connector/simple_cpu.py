@@ -41,7 +41,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         self._outcomes_reported = BoundaryStoreStats()
         super().__init__(vllm_config, role, kv_cache_config)
         if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:
-            from hybrid_kv_plugin.offload.backport import FineGrainedOffloadScheduler
+            from hybrid_kv_plugin.offload.fine_grained_scheduler import FineGrainedOffloadScheduler
 
             self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
 

@@ -1,69 +1,24 @@
-"""Fingerprints that also pin what the junction backport relies on inside vLLM code.
+"""Fingerprints that also pin what the junction coordinator backport relies on inside vLLM code.
 
 The base :class:`~hybrid_kv_plugin.patching.Fingerprint` checks signatures and
 class attributes. The junction backport also depends on *instance* attributes
-(which a class does not show) and on the exact inputs of the stock split it wraps
-(a wheel whose split reads one more attribute changed its stops). Both are
-visible in the bytecode: which ``self.<name>`` a function loads, which names an
-``__init__`` stores.
+(which a class does not show) and on what the stock Mamba manager touches. Both
+are visible in the bytecode: which names an ``__init__`` stores, which
+``self.<name>`` a method loads (:func:`hybrid_kv_plugin.patching.self_attribute_reads`).
 """
 
 from __future__ import annotations
 
-import dis
 import importlib
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_kv_plugin.patching import Fingerprint
-
-
-def self_attribute_reads(function: Callable[..., Any]) -> frozenset[str]:
-    """Every ``self.<name>`` the function's own body loads (not nested functions).
-
-    A wrapper (``functools.wraps``) answers for the function it wraps, so the check
-    still holds while the plugin's own wrapper is installed.
-    """
-    names = set()
-    previous = None
-    for instruction in dis.get_instructions(inspect.unwrap(function)):
-        if (
-            previous is not None
-            # LOAD_DEREF: ``self`` is a cell when a nested function captures it.
-            and (previous.opname.startswith("LOAD_FAST") or previous.opname == "LOAD_DEREF")
-            and previous.argval == "self"
-            and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
-        ):
-            names.add(instruction.argval)
-        previous = instruction
-    return frozenset(names)
+from hybrid_kv_plugin.patching import Fingerprint, self_attribute_reads
 
 
 def _param_names(function: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)
-
-
-@dataclass(frozen=True)
-class ReadsFingerprint(Fingerprint):
-    """``Fingerprint`` plus the ``self`` attributes the original reads (exactly, or ``at_least``)."""
-
-    self_reads: frozenset[str] = frozenset()
-    # True: the original must read at least ``self_reads`` (other reads may come and go).
-    at_least: bool = False
-
-    def check(self, original: Any, owner: Any) -> str | None:
-        if reason := super().check(original, owner):
-            return reason
-        found = self_attribute_reads(original)
-        if self.at_least and self.self_reads <= found:
-            return None
-        if found != self.self_reads:
-            extra = ", ".join(sorted(found - self.self_reads)) or "-"
-            missing = ", ".join(sorted(self.self_reads - found)) or "-"
-            return f"reads different scheduler attributes (new: {extra}; gone: {missing})"
-        return None
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,9 @@ def junction_plan(switch: bool, coordinator: Any, adapter: VllmAdapter) -> Junct
     return JunctionPlan(enabled=False, reason=reason)
 
 
-def lowered_tail(num_prompt_tokens: int, hash_unit: int) -> int:
+def lowered_tail(num_prompt_tokens: int, hash_block_size: int) -> int:
     """The prompt's last hash boundary, one unit down (0 when that leaves nothing)."""
-    return max(num_prompt_tokens // hash_unit * hash_unit - hash_unit, 0)
+    return max(num_prompt_tokens // hash_block_size * hash_block_size - hash_block_size, 0)
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, eagle: bool) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ def junction_stop(
     end: int,
     *,
     block_size: int,
-    hash_unit: int,
+    hash_block_size: int,
     eagle_drop: bool,
 ) -> int | None:
     """The earliest added stop strictly inside ``(start, end)``, or ``None``.
@@ -48,7 +48,7 @@ def junction_stop(
     if junction <= prompt:
         candidates.append(junction)
     if plan.lowered_tail:
-        tail = lowered_tail(prompt, hash_unit)
+        tail = lowered_tail(prompt, hash_block_size)
         if last_pinned_boundary(request, block_size, eagle_drop) < tail < prompt:
             candidates.append(tail)
     inside = [stop for stop in candidates if start < stop < end]

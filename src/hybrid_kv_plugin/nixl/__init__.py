@@ -1,4 +1,4 @@
-"""Seed 004: which Mamba state slots a NIXL P/D exchange carries, and how the two sides pair them.
+"""NIXL P/D: which Mamba state slots an exchange carries, and how the two sides pair them.
 
 A hybrid request's block table holds, per KV-cache group, more ids than a
 prefill (P) -> decode (D) transfer may touch: sliding-window groups keep blocks

@@ -12,7 +12,7 @@ from hybrid_kv_plugin.config import PluginConfigError
 class OffloadMode(str, Enum):
     STOCK = "stock"  # the wheel's SimpleCPU connector, unchanged
     NATIVE = "native"  # the wheel's SimpleCPU connector, which has the feature itself
-    BACKPORT = "backport"  # the plugin's scheduler side (hybrid_kv_plugin.offload.backport)
+    BACKPORT = "backport"  # the plugin's scheduler side (hybrid_kv_plugin.offload.fine_grained_scheduler)
 
 
 def _mamba_modes(kv_cache_config: Any) -> tuple[set[str], bool]:

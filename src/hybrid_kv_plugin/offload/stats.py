@@ -34,10 +34,10 @@ class BoundaryStoreStats:
     stored: int = 0
     dropped_cpu_full: int = 0
     dropped_request_gone: int = 0
-    skipped_already_cached: int = 0
-    skipped_in_flight: int = 0
     dropped_null_block: int = 0
     dropped_not_hashed: int = 0
+    skipped_already_cached: int = 0
+    skipped_in_flight: int = 0
 
     def count(self, outcome: StoreOutcome, n: int = 1) -> None:
         self.published += n

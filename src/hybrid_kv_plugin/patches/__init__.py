@@ -1,5 +1,90 @@
-"""One module per patch of vLLM. Each module documents, where it lives: why the patch
-exists, what it changes, the upstream change that makes it unnecessary, and the first
-vLLM version on which the plugin no longer installs it. Modules export ``spec(adapter)``
-returning a :class:`hybrid_kv_plugin.patching.PatchSpec`; the adapter decides which apply.
+"""The patch manifest: which patches of vLLM a wheel gets, in install order.
+
+One module per patch. Each documents, where it lives, why the patch exists, what
+it changes, the upstream change that makes it unnecessary, and the first vLLM
+version on which the plugin no longer installs it. Each exports:
+
+* ``INSTALLS`` - a :class:`hybrid_kv_plugin.patching.Installs`: the predicate over
+  adapter facts that decides whether a wheel gets the patch, and the tested wheels
+  that gives (``since``, ``removed_in``);
+* ``spec(adapter)`` - the :class:`hybrid_kv_plugin.patching.PatchSpec`: target,
+  fingerprint, replacement, and the vLLM side that runs it.
+
+``register()`` and ``hybrid-kv doctor`` ask :func:`patch_specs`; nothing else
+decides which patches a wheel gets. Importing this package imports no vLLM.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
+from hybrid_kv_plugin.patches import (
+    async_load_liveness,
+    junction_coordinator,
+    junction_split,
+    nixl_exchange_clip,
+    nixl_save_meta,
+    nixl_worker_pairing,
+    offload_has_connector,
+    scheduler_plugin_config,
+)
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+    from hybrid_kv_plugin.patching import Installs, PatchSpec
+
+# Install order: the plugin's own config first (it validates the switches the others read).
+PATCH_MODULES: tuple[ModuleType, ...] = (
+    scheduler_plugin_config,
+    nixl_exchange_clip,
+    nixl_save_meta,
+    nixl_worker_pairing,
+    junction_coordinator,
+    junction_split,
+    offload_has_connector,
+    async_load_liveness,
+)
+
+
+@dataclass(frozen=True)
+class PlannedPatch:
+    """One patch a wheel gets, with what the manifest declares about it."""
+
+    spec: PatchSpec
+    installs: Installs
+
+    @property
+    def removed_in(self) -> str:
+        """The first wheel without the patch, in words (``hybrid-kv doctor`` prints it)."""
+        return removal_note(self.installs)
+
+
+def planned_patches(adapter: VllmAdapter) -> list[PlannedPatch]:
+    """Every patch this wheel gets, in install order (all installed, or none)."""
+    return [
+        PlannedPatch(module.spec(adapter), module.INSTALLS) for module in PATCH_MODULES if module.INSTALLS.when(adapter)
+    ]
+
+
+def patch_specs(adapter: VllmAdapter) -> list[PatchSpec]:
+    return [planned.spec for planned in planned_patches(adapter)]
+
+
+def removal_note(installs: Installs) -> str:
+    """``0.30.0``; ``never``; ``never (installed on 0.33+)``; ``not yet (present up to 0.33.0)``."""
+    if installs.removed_in is not None:
+        return installs.removed_in
+    if not installs.permanent:
+        return f"not yet (present up to {ADAPTERS[-1].tested_wheels[-1]})"
+    if installs.since == ADAPTERS[0].tested_wheels[0]:
+        return "never"
+    release = parse_release(installs.since)
+    assert release is not None, installs.since
+    return f"never (installed on {release[0]}.{release[1]}+)"
+
+
+__all__ = ["PATCH_MODULES", "PlannedPatch", "patch_specs", "planned_patches", "removal_note"]

@@ -42,13 +42,14 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.junction.fingerprints import ReadsFingerprint
-from hybrid_kv_plugin.patching import PatchSpec
+from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler.schedule"
+# Every wheel that reserves blocks for async loads (and so names the queue scanned first).
+INSTALLS = Installs(when=lambda adapter: adapter.first_waiting_queue_attr is not None, since="0.29.0")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -66,7 +67,6 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="a failed async KV load leaves a stale in-flight reservation that deadlocks the waiting scan",
         upstream="vllm#45388 (report), vllm#57841 (open fix for the queue order)",
-        removed_in="not yet (present up to 0.33.0)",
     )
 
 

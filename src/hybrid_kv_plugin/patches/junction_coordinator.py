@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction.coordinator import junction_coordinator_class
 from hybrid_kv_plugin.junction.fingerprints import CoordinatorFingerprint, MambaManagerShape
-from hybrid_kv_plugin.patching import PatchSpec
+from hybrid_kv_plugin.adapters.capabilities import Feature
+from hybrid_kv_plugin.patching import Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -50,6 +51,10 @@ PARAMS = (
 )
 # Instance attributes the plan, the adoption and the replay hand-off read.
 STORED = ("eagle_group_ids", "enable_partial_hash_hits", "single_type_managers", "retention_interval", "scheduler_block_size")
+# Wherever the plugin backports the junction checkpoint (no native CacheConfig flag).
+INSTALLS = Installs(
+    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
+)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -65,7 +70,6 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: junction_coordinator_class(original, _stock_mamba_manager(), adapter),
         why="own the junction plan; adopt Mamba managers that checkpoint at the junction",
         upstream="vLLM PR #53945",
-        removed_in="0.30.0",
     )
 
 

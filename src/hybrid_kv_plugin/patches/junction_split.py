@@ -31,14 +31,18 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction import junction_stop, plan_of
-from hybrid_kv_plugin.junction.fingerprints import ReadsFingerprint
-from hybrid_kv_plugin.patching import PatchSpec
+from hybrid_kv_plugin.adapters.capabilities import Feature
+from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_split"
 PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
+# Installed together with ``junction_coordinator``, wherever the junction checkpoint is backported.
+INSTALLS = Installs(
+    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
+)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -51,7 +55,6 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="end a prefill chunk at the exact shared-prefix junction (and the EAGLE prompt tail)",
         upstream="vLLM PR #53945",
-        removed_in="0.30.0",
     )
 
 
@@ -75,7 +78,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
             start,
             start + scheduled,
             block_size=self.cache_config.block_size,
-            hash_unit=self.hash_block_size,
+            hash_block_size=self.hash_block_size,
             eagle_drop=getattr(self, adapter.scheduler_eagle_drop_attr),
         )
         return scheduled if stop is None else stop - start

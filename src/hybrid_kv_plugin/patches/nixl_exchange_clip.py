@@ -27,59 +27,36 @@ tables). First version where the plugin no longer installs this patch: 0.27.0
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.nixl import ExchangeClip, ssm_strip_applies
-from hybrid_kv_plugin.process_role import Side
-from hybrid_kv_plugin.patching import Fingerprint, PatchSpec
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
-TARGET = f"{SCHEDULER_MODULE}:NixlBaseConnectorScheduler.get_sw_clipped_blocks"
+TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:NixlBaseConnectorScheduler.get_sw_clipped_blocks"
 PARAMS = ("self", "block_ids")
 # Used by the replacement on the instance: blocks_per_sw, _is_hma_required, kv_cache_config
 # (set by __init__, so not checkable on the class); the save path must exist to be exempted.
 OWNER_ATTRS = ("_build_save_meta", "request_finished", "update_state_after_alloc")
 _CACHE_ATTR = "_hybrid_kv_exchange_clip"
-NATIVE_SINCE = "0.27.0"
+# Wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+INSTALLS = Installs(
+    when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
+)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
-    return backport_spec(
-        "nixl_exchange_clip",
-        TARGET,
-        PARAMS,
-        OWNER_ATTRS,
-        _wrap,
-        why="NIXL exchange lists carry Mamba scratch slots and placeholders; clip them to the state slots",
-        upstream="get_exchange_clipped_blocks (SSM-aware NIXL exchange clip)",
-    )
-
-
-def backport_spec(
-    name: str,
-    target: str,
-    params: tuple[str, ...],
-    owner_attrs: tuple[str, ...],
-    build: Callable[[Any], Any],
-    *,
-    why: str,
-    upstream: str,
-    side: Side = Side.SCHEDULER,
-) -> PatchSpec:
-    """A seed-004 patch: the exact 0.26 signature is required, and vLLM 0.27.0 made it unnecessary."""
     return PatchSpec(
-        name=name,
-        target=target,
-        fingerprint=Fingerprint(params=params, exact=True, owner_attrs=owner_attrs),
-        build=build,
-        why=why,
-        upstream=f"vLLM {NATIVE_SINCE} {upstream}",
-        removed_in=NATIVE_SINCE,
-        side=side,
+        name="nixl_exchange_clip",
+        target=TARGET,
+        # The exact 0.26 signature: 0.27 renamed the method and changed its parameters.
+        fingerprint=Fingerprint(params=PARAMS, exact=True, owner_attrs=OWNER_ATTRS),
+        build=_wrap,
+        why="NIXL exchange lists carry Mamba scratch slots and placeholders; clip them to the state slots",
+        upstream="vLLM 0.27.0 get_exchange_clipped_blocks (SSM-aware NIXL exchange clip)",
     )
 
 

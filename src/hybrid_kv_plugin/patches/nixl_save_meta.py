@@ -22,26 +22,29 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.nixl import per_step_lists
-from hybrid_kv_plugin.patches.nixl_exchange_clip import SCHEDULER_MODULE, backport_spec
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
-    from hybrid_kv_plugin.patching import PatchSpec
 
-TARGET = f"{SCHEDULER_MODULE}:NixlBaseConnectorScheduler._build_save_meta"
+TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:NixlBaseConnectorScheduler._build_save_meta"
 PARAMS = ("self", "meta", "scheduler_output")
+# Together with ``nixl_exchange_clip``: wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+INSTALLS = Installs(
+    when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
+)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
-    return backport_spec(
-        "nixl_save_meta",
-        TARGET,
-        PARAMS,
-        ("get_sw_clipped_blocks",),
-        _wrap,
+    return PatchSpec(
+        name="nixl_save_meta",
+        target=TARGET,
+        fingerprint=Fingerprint(params=PARAMS, exact=True, owner_attrs=("get_sw_clipped_blocks",)),
+        build=_wrap,
         why="the per-step host-buffer save lists are partial; the Mamba exchange clip must not strip them",
-        upstream="get_exchange_clipped_blocks(clip_ssm=False) on the save path",
+        upstream="vLLM 0.27.0 get_exchange_clipped_blocks(clip_ssm=False) on the save path",
     )
 
 

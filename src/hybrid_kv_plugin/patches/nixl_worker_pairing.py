@@ -26,30 +26,34 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.nixl import ExchangeClip
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 from hybrid_kv_plugin.process_role import Side
-from hybrid_kv_plugin.patches.nixl_exchange_clip import backport_spec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
-    from hybrid_kv_plugin.patching import PatchSpec
 
 TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker._apply_prefix_caching"
 # In pull mode (the only caller on 0.26) "local" is decode and "remote" is prefill.
 PARAMS = ("self", "local_block_ids", "remote_block_ids", "remote_physical_per_logical")
 # Reads kv_cache_config and _has_mamba on the instance (set by __init__).
 OWNER_ATTRS = ("_logical_to_kernel_block_ids",)
+# The worker half of the backport: wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+INSTALLS = Installs(
+    when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
+)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
-    return backport_spec(
-        "nixl_worker_pairing",
-        TARGET,
-        PARAMS,
-        OWNER_ATTRS,
-        _wrap,
+    return PatchSpec(
+        name="nixl_worker_pairing",
+        target=TARGET,
+        # The exact 0.26 signature; any other shape pairs differently.
+        fingerprint=Fingerprint(params=PARAMS, exact=True, owner_attrs=OWNER_ATTRS),
+        build=_wrap,
         why="the NIXL worker pairs Mamba slots by 'one local block, remote tail'; pair state slots or refuse",
-        upstream="_apply_prefix_caching SSM pairing (decode - prefill <= 1)",
+        upstream="vLLM 0.27.0 _apply_prefix_caching SSM pairing (decode - prefill <= 1)",
         side=Side.WORKER,
     )
 

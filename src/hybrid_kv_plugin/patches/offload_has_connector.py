@@ -26,14 +26,15 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin import CONNECTOR_NAME
-from hybrid_kv_plugin.patching import Fingerprint, PatchSpec
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.config.kv_transfer:KVTransferConfig.has_connector"
-STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
+# Every wheel whose engine core gates the CPU pool sizing by connector name.
+INSTALLS = Installs(when=lambda adapter: adapter.simplecpu_block_count_gated_by_name, since="0.33.0", permanent=True)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -44,7 +45,6 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=_wrap,
         why="the 0.33 engine core sizes the SimpleCPU pool from the workers only for the stock connector name",
         upstream="none (the engine-core gate is by connector name)",
-        removed_in="never (installed on 0.33+)",
     )
 
 
@@ -54,6 +54,6 @@ def _wrap(original: Any) -> Any:
         if original(self, connector_name):
             return True
         # The plugin's connector *is* a SimpleCPUOffloadConnector (a subclass).
-        return connector_name == STOCK_CONNECTOR and original(self, CONNECTOR_NAME)
+        return connector_name == STOCK_CONNECTOR_NAME and original(self, CONNECTOR_NAME)
 
     return has_connector

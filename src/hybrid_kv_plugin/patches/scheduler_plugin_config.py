@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.config import check_switch_needs_eagle, plugin_config_from
-from hybrid_kv_plugin.patching import Fingerprint, PatchSpec
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler.__init__"
 PARAMS = ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size", "hash_block_size")
+# Every supported wheel: the plugin's own switches need it.
+INSTALLS = Installs(when=lambda adapter: True, since="0.26.0", permanent=True)
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -42,7 +44,6 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="validate additional_config['hybrid_kv'] at start-up and map it onto native fields",
         upstream="none (plugin infrastructure)",
-        removed_in="never",
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_kv_plugin.sim import wheel
 from hybrid_kv_plugin.sim.geometry import DRAFT_LAYER, HybridGeometry, build_kv_cache_config, build_vllm_config
 
 SAMPLED_TOKEN = 7
@@ -103,11 +104,11 @@ class SimEngine:
             configure(self.vllm_config)
         self.kv_cache_config = build_kv_cache_config(self.geometry, adapter)
         # The wheel's engine flags EAGLE groups while grouping layers; do it its way here.
-        adapter.mark_eagle_groups(self.vllm_config, self.kv_cache_config, frozenset({DRAFT_LAYER}))
+        wheel.mark_eagle_groups(adapter, self.vllm_config, self.kv_cache_config, frozenset({DRAFT_LAYER}))
         register_all_kvcache_specs(self.vllm_config)
         self.vllm_config.cache_config.num_gpu_blocks = self.geometry.num_gpu_blocks
-        self.scheduler_block_size, self.hash_block_size = adapter.resolve_block_sizes(
-            self.kv_cache_config, self.vllm_config
+        self.scheduler_block_size, self.hash_block_size = wheel.resolve_block_sizes(
+            adapter, self.kv_cache_config, self.vllm_config
         )
         scheduler_cls = scheduler_cls or Scheduler
         self.scheduler = scheduler_cls(
@@ -117,7 +118,7 @@ class SimEngine:
             block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
         )
-        self.block_hasher = adapter.request_block_hasher(self.vllm_config, self.hash_block_size)
+        self.block_hasher = wheel.request_block_hasher(adapter, self.vllm_config, self.hash_block_size)
         self.transfers = transfer_policy or TransferPolicy()
         self.outcomes: dict[str, RequestOutcome] = {}
         self.steps: list[StepRecord] = []

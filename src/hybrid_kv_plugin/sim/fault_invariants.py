@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
+from hybrid_kv_plugin.sim.wheel import boundary_handoffs
 
 # Scheduler-side tables of SimpleCPU (stock, native or the plugin's backport) that
 # must be empty once nothing is in flight; a name a wheel lacks is skipped.
@@ -183,7 +184,7 @@ class StepInvariants:
             original = connector.build_connector_meta
 
             def build_connector_meta(scheduler_output: Any) -> Any:
-                entries = self.engine.adapter.boundary_handoffs(scheduler_output)
+                entries = boundary_handoffs(self.engine.adapter, scheduler_output)
                 self._handoffs_this_step = sum(len(v) for v in entries.values())
                 self._remember_verified(scheduler_output)
                 return original(scheduler_output)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from hybrid_kv_plugin.sim.wheel import make_kv_cache_tensor
+
 MODEL_DIR = "tiny-qwen3-next"
 DRAFT_DIR = "tiny-llama-draft"
 ATTENTION_LAYER = "model.layers.3.self_attn.attn"
@@ -148,8 +150,8 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
         block_size=geometry.attention_block_size, num_kv_heads=1, head_size=16, dtype=torch.float16
     )
     if geometry.full_attention_only:
-        tensor = adapter.make_kv_cache_tensor(
-            attention.page_size_bytes * geometry.num_gpu_blocks, [ATTENTION_LAYER], attention.page_size_bytes
+        tensor = make_kv_cache_tensor(
+            adapter, attention.page_size_bytes * geometry.num_gpu_blocks, [ATTENTION_LAYER], attention.page_size_bytes
         )
         return KVCacheConfig(
             num_blocks=geometry.num_gpu_blocks,
@@ -166,8 +168,8 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
     assert attention.page_size_bytes == mamba.page_size_bytes, "hybrid groups must share one page size"
     page = attention.page_size_bytes
     attention_layers = [ATTENTION_LAYER] + ([DRAFT_LAYER] if geometry.eagle else [])
-    tensor = adapter.make_kv_cache_tensor(
-        page * geometry.num_gpu_blocks, [*attention_layers, MAMBA_LAYER], page
+    tensor = make_kv_cache_tensor(
+        adapter, page * geometry.num_gpu_blocks, [*attention_layers, MAMBA_LAYER], page
     )
     retention: dict[str, Any] = {}
     if geometry.prefix_cache_retention_interval is not None and adapter.retention_interval_env_var is None:

@@ -15,25 +15,20 @@ every answer vLLM gives is passed through unchanged. The benchmark runs unobserv
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
+from hybrid_kv_plugin.offload.stats import BoundaryStoreStats
 from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
+from hybrid_kv_plugin.sim.wheel import boundary_handoffs
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, prefix_keys
 
-STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
-STORE_FIELDS = (
-    "published",
-    "stored",
-    "dropped_cpu_full",
-    "dropped_request_gone",
-    "dropped_null_block",
-    "dropped_not_hashed",
-    "skipped_already_cached",
-    "skipped_in_flight",
-)
+# The boundary-store counters, in the order the report prints them.
+STORE_FIELDS = tuple(f.name for f in dataclasses.fields(BoundaryStoreStats))
 
 
 @dataclass(frozen=True)
@@ -44,9 +39,7 @@ class ReplayConfig:
 
     @property
     def connector(self) -> str:
-        from hybrid_kv_plugin import CONNECTOR_NAME
-
-        return CONNECTOR_NAME if self.plugin else STOCK_CONNECTOR
+        return CONNECTOR_NAME if self.plugin else STOCK_CONNECTOR_NAME
 
 
 CONFIGS = {
@@ -62,7 +55,7 @@ class ReplaySettings:
 
     attention_block_size: int = 16
     mamba_block_size: int = 64
-    prefix_match_unit: int = 16
+    hash_block_size: int = 16  # the prefix-match unit
     mamba_cache_mode: str = "align"
     gpu_blocks: int = 1024
     cpu_blocks: int = 8192
@@ -77,7 +70,7 @@ class ReplaySettings:
         return HybridGeometry(
             attention_block_size=self.attention_block_size,
             mamba_block_size=self.mamba_block_size,
-            hash_block_size=self.prefix_match_unit,
+            hash_block_size=self.hash_block_size,
             mamba_cache_mode=self.mamba_cache_mode,
             num_gpu_blocks=self.gpu_blocks,
             max_model_len=max(4096, longest + 64),
@@ -264,15 +257,15 @@ def replay(
     """
     import hybrid_kv_plugin
     from hybrid_kv_plugin.config import PluginConfigError
-    from hybrid_kv_plugin.registration import STATE
+    from hybrid_kv_plugin.registration import STATE, Status
 
-    was_active = STATE.status == "active"
+    was_active = STATE.status is Status.ACTIVE
     hybrid_kv_plugin.uninstall()
     result = ReplayResult(config.name)
     try:
         if config.plugin:
             hybrid_kv_plugin.register()
-            if STATE.status != "active":
+            if STATE.status is not Status.ACTIVE:
                 result.refused = f"the plugin is {STATE.status} on this vLLM: {STATE.reason}"
                 return result
         done = 0
@@ -425,7 +418,7 @@ class _SegmentRun:
         build = connector.build_connector_meta
 
         def observed_build(scheduler_output: Any) -> Any:
-            handoffs = engine.adapter.boundary_handoffs(scheduler_output)
+            handoffs = boundary_handoffs(engine.adapter, scheduler_output)
             leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             leaving |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
             gone = {rid for rid in handoffs if rid in leaving or rid not in scheduler.requests}

@@ -27,13 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.sim.engine import SimEngine, TransferFate, TransferPolicy
 from hybrid_kv_plugin.sim.fault_invariants import StepInvariants
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 
-PLUGIN_CONNECTOR = "HybridSimpleCPUConnector"
-STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
-HASH_UNIT = 16
+HASH_BLOCK_SIZE = 16
 FAMILIES = 3
 # Longest family prefix and own suffix, in tokens: a request must fit the GPU pool alone.
 MAX_PREFIX_UNITS = 16
@@ -68,14 +67,14 @@ def variants(adapter: Any) -> list[Variant]:
 
     opt_out = () if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else (("fine_grained_hits", False),)
     return [
-        Variant("stock", STOCK_CONNECTOR),
-        Variant("plugin", PLUGIN_CONNECTOR, opt_out),
-        Variant("plugin-lazy", PLUGIN_CONNECTOR, (*opt_out, ("lazy_offload", True))),
-        Variant("plugin-full-attention", PLUGIN_CONNECTOR, opt_out, full_attention_only=True),
+        Variant("stock", STOCK_CONNECTOR_NAME),
+        Variant("plugin", CONNECTOR_NAME, opt_out),
+        Variant("plugin-lazy", CONNECTOR_NAME, (*opt_out, ("lazy_offload", True))),
+        Variant("plugin-full-attention", CONNECTOR_NAME, opt_out, full_attention_only=True),
     ]
 
 
-def prefix_match_unit(adapter: Any) -> int:
+def hash_block_size_for(adapter: Any) -> int:
     """Hash-granular (16) where the wheel serves fine-grained hits; the Mamba block (64) elsewhere.
 
     Stock SimpleCPU of 0.26-0.28 asserts on a CPU hit that is not a whole scheduler
@@ -86,7 +85,7 @@ def prefix_match_unit(adapter: Any) -> int:
     """
     from hybrid_kv_plugin.adapters import Feature
 
-    return HASH_UNIT if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else HybridGeometry().mamba_block_size
+    return HASH_BLOCK_SIZE if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else HybridGeometry().mamba_block_size
 
 
 def load_failures_reportable(adapter: Any, variant: Variant) -> bool:
@@ -139,7 +138,7 @@ class FaultHarness:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.can_fail_loads = load_failures_reportable(self.adapter, self.variant)
-        unit = prefix_match_unit(self.adapter)
+        unit = hash_block_size_for(self.adapter)
         geometry = HybridGeometry(
             attention_block_size=unit,
             hash_block_size=unit,
@@ -161,7 +160,7 @@ class FaultHarness:
         self.invariants = StepInvariants(self.engine)
         self._ids = 0
         self._preemptions: dict[str, int] = {}
-        self._families = [[random.Random(1000 + f).randint(1, 1000) for _ in range(MAX_PREFIX_UNITS * HASH_UNIT)] for f in range(FAMILIES)]
+        self._families = [[random.Random(1000 + f).randint(1, 1000) for _ in range(MAX_PREFIX_UNITS * HASH_BLOCK_SIZE)] for f in range(FAMILIES)]
 
     def _configure(self, vllm_config: Any) -> None:
         vllm_config.kv_transfer_config.kv_load_failure_policy = self.load_failure_policy
@@ -183,7 +182,7 @@ class FaultHarness:
     # ------------------------------------------------------------------ operations
     def prompt(self, family: int, prefix_units: int, variant: int, own_tokens: int) -> list[int]:
         """A family prefix plus an own suffix; equal arguments give equal prompts (exact replays)."""
-        prefix = self._families[family % FAMILIES][: prefix_units * HASH_UNIT]
+        prefix = self._families[family % FAMILIES][: prefix_units * HASH_BLOCK_SIZE]
         own = random.Random(f"{family}/{variant}").choices(range(1, 1001), k=own_tokens)
         prompt = prefix + own
         return prompt or [1]
@@ -301,10 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import hybrid_kv_plugin
-    from hybrid_kv_plugin.registration import STATE
+    from hybrid_kv_plugin.registration import STATE, Status
 
     hybrid_kv_plugin.register()
-    if STATE.status != "active":
+    if STATE.status is not Status.ACTIVE:
         print(f"hybrid-kv soak: the plugin is not active here ({STATE.status}: {STATE.reason})", file=sys.stderr)
         return 2
     adapter = STATE.adapter

@@ -151,7 +151,6 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self._staged_for_event: list[StagedBlock] = []
         self._event_blocks: dict[int, list[StagedBlock]] = {}
         self.boundary_store_stats = BoundaryStoreStats()
-        self._stats_drained = BoundaryStoreStats()
 
     def _lazy_watermark(self) -> int:
         """GPU blocks the lazy cursor keeps offloaded ahead of eviction, from the resolved group sizes."""
@@ -501,19 +500,11 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self._finish_batches.clear()
         done = super().reset()
         self.boundary_store_stats = BoundaryStoreStats()
-        self._stats_drained = BoundaryStoreStats()
         return done
 
     def get_boundary_store_stats(self) -> BoundaryStoreStats:
         # A flat dataclass of ints: a shallow copy is a full snapshot (asdict deep-copies per call).
         return dataclasses.replace(self.boundary_store_stats)
-
-    def drain_outcome_growth(self) -> dict[StoreOutcome, int]:
-        """Outcome counts added since the previous call (what a metrics interval reports)."""
-        growth = self.boundary_store_stats.minus(self._stats_drained)
-        if growth:  # called every step; most steps publish nothing, so skip the snapshot then
-            self._stats_drained = self.get_boundary_store_stats()
-        return growth
 
     def store_metadata(self, event_idx: int) -> list[StagedBlock] | None:
         """The per-block records of a store event that has not completed (index-parallel with its ids)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_kv_plugin.sim.geometry import HybridGeometry, build_vllm_config
+from hybrid_kv_plugin.sim.wheel import make_kv_cache_tensor
 
 # Group order of the hand-made config, and its geometry.
 FULL_ATTENTION, SLIDING_WINDOW, MAMBA = 0, 1, 2
@@ -84,7 +85,7 @@ def hybrid_kv_cache_config(adapter: Any, mamba_cache_mode: str, scratch_slots: i
     page = specs[0].page_size_bytes
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[adapter.make_kv_cache_tensor(page * NUM_BLOCKS, layers, page)],
+        kv_cache_tensors=[make_kv_cache_tensor(adapter, page * NUM_BLOCKS, layers, page)],
         kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in zip(layers, specs)],
     )
 

@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 
-PLUGIN_CONNECTOR = "HybridSimpleCPUConnector"
-STOCK_CONNECTOR = "SimpleCPUOffloadConnector"
 # 4 MiB: 4096 CPU blocks of the tiny model's 1 KiB pages, 16x its 256 GPU blocks.
 CPU_BYTES = 1 << 22
 # Tokens appended to a replayed prompt: they are never cached anywhere.
@@ -40,7 +39,7 @@ class OffloadRun:
 
 def offload_engine(
     adapter: Any,
-    connector: str = PLUGIN_CONNECTOR,
+    connector: str = CONNECTOR_NAME,
     *,
     geometry: HybridGeometry | None = None,
     extra: dict[str, Any] | None = None,

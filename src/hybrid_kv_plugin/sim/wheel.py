@@ -1,0 +1,105 @@
+"""Build what the wheel's engine would build, for a simulator that runs no model.
+
+Each helper reads adapter facts (never version numbers) to build a vLLM object
+the way the installed wheel's own engine or worker builds it: the KV-cache
+tensor layout, the resolved block sizes, the request block hasher, the EAGLE
+group marks, and the Mamba boundary hand-offs a step published. Feature code
+never needs these; only ``hybrid_kv_plugin.sim`` and the tests do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters import VllmAdapter
+
+
+def make_kv_cache_tensor(adapter: VllmAdapter, size: int, layer_names: list[str], page_size: int) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    if adapter.kv_cache_tensor_style == "shared_by":
+        return KVCacheTensor(size=size, shared_by=list(layer_names))
+    # Groups overlay one allocation: every layer starts at offset 0, one page per block.
+    return KVCacheTensor(size=size, layers=list(layer_names), layer_stride=0, block_stride=page_size)
+
+
+def resolve_block_sizes(adapter: VllmAdapter, kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """(scheduler block size, hash block size), recorded where the wheel's engine records them."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if adapter.kv_cache_config_carries_hash_sizes:
+        from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+
+        kv_cache_config.hash_block_size = hash_block_size
+        kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
+        )
+    return scheduler_block_size, hash_block_size
+
+
+def request_block_hasher(adapter: VllmAdapter, vllm_config: Any, hash_block_size: int) -> Any:
+    """The per-request hasher built the way the wheel's EngineCore builds it."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    if adapter.hashes_lookahead_tokens:
+        return get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+    return get_request_block_hasher(hash_block_size, hash_fn)
+
+
+def mark_eagle_groups(
+    adapter: VllmAdapter, vllm_config: Any, kv_cache_config: Any, draft_layers: frozenset[str]
+) -> None:
+    """Flag ``is_eagle_group`` on the groups the wheel's engine would flag for this model.
+
+    0.26-0.32 flag nothing for plain EAGLE on a non-DeepSeek-V4 model (0.26-0.28 only know
+    the DeepSeek-V4 MTP layer; 0.29-0.32 ``_annotate_eagle_groups`` reads a DSpark-only spec
+    marker), so their coordinators fall back to treating every group as an EAGLE group.
+    """
+    if not adapter.eagle_groups_follow_draft_layers:
+        return
+    # Under EAGLE block drop, a group is an EAGLE group exactly when it holds a draft layer.
+    speculative_config = vllm_config.speculative_config
+    if speculative_config is None or not speculative_config.use_eagle_block_drop():
+        return
+    for group in kv_cache_config.kv_cache_groups:
+        group.is_eagle_group = not draft_layers.isdisjoint(group.layer_names)
+
+
+def eagle_block_drop_options(adapter: VllmAdapter) -> dict[str, Any]:
+    """SpeculativeConfig fields that keep EAGLE on the trailing-block drop.
+
+    Up to 0.32 EAGLE always drops the last matched prefix-cache unit; where request
+    hashes include the drafter's lookahead token (0.33) that token proves the boundary
+    instead, and EAGLE drops nothing unless told not to.
+    """
+    if adapter.hashes_lookahead_tokens:
+        return {"disable_lookahead_block_hashes": True}
+    return {}
+
+
+def junction_active(adapter: VllmAdapter, scheduler: Any) -> bool:
+    """Whether the junction checkpoint is in effect on ``scheduler`` (switch on and gate open)."""
+    if adapter.native_junction_scheduler_attr:
+        return bool(getattr(scheduler, adapter.native_junction_scheduler_attr))
+    from hybrid_kv_plugin.junction import plan_of
+
+    return plan_of(scheduler).enabled
+
+
+def boundary_handoffs(adapter: VllmAdapter, scheduler_output: Any) -> dict[str, list[int]]:
+    """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
+    (``{}`` on wheels without the hand-off channel, or without a connector)."""
+    if not adapter.has_boundary_handoffs:
+        return {}
+    block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if block_state is None:
+        return {}
+    return {
+        req_id: [num_tokens for _group, _block, num_tokens in entries]
+        for req_id, entries in block_state.boundary_state_offloads.items()
+    }

@@ -1,0 +1,78 @@
+"""Plain helpers shared by the test modules (fixtures live in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import random
+
+from hybrid_kv_plugin.adapters import Support
+from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
+
+N, B, U = Support.NATIVE, Support.BACKPORT, Support.UNAVAILABLE
+# (fine-grained CPU hits, junction checkpoint, NIXL slot pairing) per supported wheel.
+CAPABILITY_TABLE = {
+    "0.26.0": (U, B, B),
+    "0.27.1": (U, B, N),
+    "0.28.0": (U, B, N),
+    "0.29.0": (B, B, N),
+    "0.30.0": (N, N, N),
+    "0.31.0": (N, N, N),
+    "0.32.0": (N, N, N),
+    "0.33.0": (N, N, N),
+}
+
+# Deterministic "prompt" tokens; any ids below the tiny model's vocab work.
+BASE_TOKENS = [(i * 37) % 1000 + 1 for i in range(1, 5000)]
+
+
+def tokens(n: int, offset: int = 0) -> list[int]:
+    return BASE_TOKENS[offset : offset + n]
+
+
+def small_workload() -> list[Segment]:
+    """The small fixed workload of the replay and bench tests.
+
+    Ten requests; no prompt ends on a hash boundary (where wheels place the tail
+    checkpoint differently: 0.30-0.31 at the prompt end, 0.32+ one unit lower)."""
+    rng = random.Random(7)
+
+    def fresh(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(1, 1000) for _ in range(n))
+
+    c0 = fresh(300)
+    c1 = fresh(203)
+    c0_t1 = c0 + (7,) * 4 + fresh(37)
+    c1_t1 = c1 + (7,) * 2 + fresh(45)
+    c0_t2 = c0_t1 + (7,) * 2 + fresh(21)
+    chat = (
+        TraceRequest("c0-t0", 0, c0, 4),
+        TraceRequest("c1-t0", 0, c1, 2),
+        TraceRequest("c0-t1", 1, c0_t1, 2, evict_gpu_before=True),
+        TraceRequest("c1-t1", 1, c1_t1, 2, evict_gpu_before=True),
+        TraceRequest("c0-t2", 2, c0_t2, 2),
+    )
+    system = fresh(260)
+    agents = (
+        TraceRequest("root", 0, system + fresh(45), 4),
+        TraceRequest("s0", 1, system + fresh(23), 2),
+        TraceRequest("s1", 2, system + fresh(37), 2),
+        TraceRequest("s2", 3, system + fresh(53), 2, evict_gpu_before=True),
+        TraceRequest("s3", 3, system + fresh(67), 2),
+    )
+    return [Segment("chat", chat, eagle=False), Segment("agents", agents, eagle=True)]
+
+
+# small_workload measured on stock vLLM 0.33.0: the reference every wheel with fine-grained CPU hits must match.
+V033_STOCK = {
+    "ideal_tokens": 1856,
+    "reused_gpu_tokens": 320,
+    "reused_cpu_tokens": 496,
+    "loss": {"no_mamba_state": 976, "eagle_prune": 64},
+}
+# Scheduler steps of (stock, plugin, plugin+junction) where the plugin runs.
+STEPS = {
+    "0.29.0": (40, 40, 39),
+    "0.30.0": (36, 36, 35),
+    "0.31.0": (36, 36, 35),
+    "0.32.0": (36, 36, 35),
+    "0.33.0": (36, 36, 35),
+}

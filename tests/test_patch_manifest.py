@@ -1,0 +1,77 @@
+"""The patch manifest: every patch module documents itself, and what it declares is what gets installed."""
+
+from __future__ import annotations
+
+import pkgutil
+
+import pytest
+
+from hybrid_kv_plugin import patches
+from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
+from hybrid_kv_plugin.patches import PATCH_MODULES, patch_specs, planned_patches, removal_note
+from hybrid_kv_plugin.registration import decide
+
+TESTED_WHEELS = [wheel for cls in ADAPTERS for wheel in cls.tested_wheels]
+MODULES = {module.__name__.rsplit(".", 1)[1]: module for module in PATCH_MODULES}
+# What `hybrid-kv doctor` prints as "removed in" for each patch.
+REMOVAL_NOTES = {
+    "scheduler_plugin_config": "never",
+    "nixl_exchange_clip": "0.27.0",
+    "nixl_save_meta": "0.27.0",
+    "nixl_worker_pairing": "0.27.0",
+    "junction_coordinator": "0.30.0",
+    "junction_split": "0.30.0",
+    "offload_has_connector": "never (installed on 0.33+)",
+    "async_load_liveness": "not yet (present up to 0.33.0)",
+}
+
+
+def test_every_patch_module_is_in_the_manifest():
+    on_disk = sorted(info.name for info in pkgutil.iter_modules(patches.__path__))
+    assert on_disk == sorted(MODULES) == sorted(REMOVAL_NOTES)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_docstring_has_why_what_upstream(name):
+    doc = MODULES[name].__doc__
+    for section in ("\nWhy: ", "\nWhat it changes", "\nUpstream: "):
+        assert section in doc, f"{name}: no {section.strip()!r} section"
+    assert doc.index("\nWhy: ") < doc.index("\nWhat it changes") < doc.index("\nUpstream: ")
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_declared_range_is_supported_and_in_the_docstring(name):
+    installs = MODULES[name].INSTALLS
+    assert installs.since in TESTED_WHEELS
+    if installs.removed_in is None:
+        assert installs.since in MODULES[name].__doc__
+    else:
+        # A release of a supported family, at or below the wheel tested for it (0.27.0 for 0.27.1).
+        removed = parse_release(installs.removed_in)
+        assert any(removed[:2] == parse_release(w)[:2] and removed <= parse_release(w) for w in TESTED_WHEELS)
+        assert parse_release(installs.since) < parse_release(installs.removed_in)
+        assert not installs.permanent
+        assert installs.removed_in in MODULES[name].__doc__
+    assert removal_note(installs) == REMOVAL_NOTES[name]
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_installed_here_exactly_when_the_declared_range_says(adapter, name):
+    """Across the 8-wheel suite: the manifest agrees with each ``since`` / ``removed_in`` on every wheel."""
+    installs = MODULES[name].INSTALLS
+    here = parse_release(adapter.version)
+    in_range = parse_release(installs.since) <= here and (
+        installs.removed_in is None or here < parse_release(installs.removed_in)
+    )
+    assert installs.when(adapter) is in_range
+    assert (name in [spec.name for spec in patch_specs(adapter)]) is in_range
+
+
+def test_registration_installs_what_the_manifest_plans(no_plugin, adapter, monkeypatch):
+    monkeypatch.delenv("HYBRID_KV_PLUGIN_DISABLE", raising=False)
+    decision = decide()
+    assert decision.status == "active"
+    assert [spec.name for spec in decision.specs] == [p.spec.name for p in planned_patches(adapter)]
+    # Install order follows the manifest.
+    order = [name for name in MODULES if name in {spec.name for spec in decision.specs}]
+    assert [spec.name for spec in decision.specs] == order
