@@ -21,7 +21,7 @@ from typing import Any
 
 GIB = 1 << 30
 DEFAULT_GPU_KV_GIB = 40.0
-DEFAULT_CPU_GIB = 100.0
+DEFAULT_CPU_GIB = 160.0
 
 
 class GeometryError(ValueError):
@@ -42,7 +42,7 @@ class ModelGeometry:
     attention_layers: int
     mamba_layers: int
     page_bytes: int  # one block of one layer (attention page = padded Mamba page)
-    block_bytes: int  # one block across all layers (what a GPU / CPU block costs)
+    block_bytes: int  # GPU KV memory per block (what one block costs across all layers)
     gpu_blocks: int
     cpu_blocks: int
     gpu_kv_bytes: int
@@ -220,14 +220,19 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     planner = kv_cache_planner()
     groups = planner.get_kv_cache_groups(vllm_config, specs)
     kv_cache_config = planner.get_kv_cache_config_from_groups(vllm_config, groups, gpu_kv)
-    total_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-    block_bytes = total_bytes // kv_cache_config.num_blocks
     cpu = int(serve.cpu_bytes_to_use or cpu_bytes or DEFAULT_CPU_GIB * GIB)
+    # SimpleCPU's own sizing of its pool from this GPU plan (the rule differs between wheels).
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    cpu_blocks = SimpleCPUOffloadScheduler._derive_cpu_config(kv_cache_config, cpu).num_blocks
     page_bytes = next(iter(specs.values())).page_size_bytes
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from hybrid_kv_plugin.registration import current_adapter
+
+    # The engine's own (scheduler block, hash unit) resolution, which also refuses a bad unit.
+    _scheduler_block, unit = current_adapter().resolve_block_sizes(kv_cache_config, vllm_config)
     block = cache_config.block_size
-    unit = cache_config.prefix_match_unit or block
     mamba_block = cache_config.mamba_block_size or block
     for spec in specs.values():
         if isinstance(spec, MambaSpec):
@@ -244,10 +249,9 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
         attention_layers=attention_layers,
         mamba_layers=mamba_layers,
         page_bytes=page_bytes,
-        block_bytes=block_bytes,
+        block_bytes=gpu_kv // kv_cache_config.num_blocks,
         gpu_blocks=kv_cache_config.num_blocks,
-        # SimpleCPU: num_gpu_blocks * cpu_bytes // the GPU tensors' total bytes.
-        cpu_blocks=max(1, kv_cache_config.num_blocks * cpu // total_bytes),
+        cpu_blocks=cpu_blocks,
         gpu_kv_bytes=gpu_kv,
         cpu_bytes=cpu,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
