@@ -195,18 +195,18 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         check_lengths(segments, settings.max_model_len or DEFAULT_MAX_MODEL_LEN)
     except InputError as exc:
         raise SystemExit(str(exc)) from None
-    from hybrid_kv_plugin.sim.replay import StepTimer, replay
+    from hybrid_kv_plugin.sim.replay import replay
 
     total = sum(len(s.requests) for s in segments)
     progress = Progress(total * len(configs), lines=True)
     results, timings = [], []
     for config in configs:
         progress.start(config.name)
-        timer = StepTimer()
+        # No StepTimer here: its process-CPU clock costs a system call per step (up to a third of
+        # a long replay's time on a busy machine); steps/s is steps over wall time.
         started = _wall()
-        results.append(replay(segments, settings, config, progress=progress.update, timer=timer,
-                              per_request=args.per_request))
-        timings.append(_timing(_wall() - started, total, results[-1].steps, timer))
+        results.append(replay(segments, settings, config, progress=progress.update, per_request=args.per_request))
+        timings.append(_timing(_wall() - started, total, results[-1].steps))
         progress.finish_run(total)
     progress.close()
     report = build_report(segments, settings, results, per_request=args.per_request)
@@ -235,7 +235,7 @@ def _wall() -> float:
     return time.monotonic()
 
 
-def _timing(seconds: float, requests: int, steps: int, timer: Any) -> dict[str, Any]:
+def _timing(seconds: float, requests: int, steps: int) -> dict[str, Any]:
     """Wall time, throughput and peak RSS of one configuration's run (this process so far)."""
     import resource
 
@@ -244,7 +244,6 @@ def _timing(seconds: float, requests: int, steps: int, timer: Any) -> dict[str, 
         "wall_s": round(seconds, 1),
         "requests_per_s": round(requests / seconds, 2) if seconds else None,
         "steps_per_s": round(steps / seconds, 1) if seconds else None,
-        "scheduler_cpu_s": round(timer.seconds, 1),
         "peak_rss_mib": round(peak_kib / 1024),
     }
 
