@@ -13,7 +13,13 @@ import tempfile
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hybrid-kv-test-cache-"))
+if "VLLM_CACHE_ROOT" not in os.environ:
+    # Made only when unset (setdefault would make one per run regardless) and removed at exit.
+    import atexit
+    import shutil
+
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="hybrid-kv-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)
 
 import hybrid_kv_plugin  # noqa: E402
 from hybrid_kv_plugin import registration  # noqa: E402

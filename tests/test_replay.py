@@ -207,25 +207,22 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": []}\n')
-    with pytest.raises(SystemExit) as err:
-        main(["replay", "--trace", str(bad)])
-    assert str(err.value) == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt"
-    with pytest.raises(SystemExit) as err:
-        main(["replay", "--configs", "stock,fast"])
-    assert str(err.value) == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction"
+    assert main(["replay", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt\n"
+    assert main(["replay", "--configs", "stock,fast"]) == 2
+    assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction\n"
 
 
-def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys):
     import sys
 
     from hybrid_kv_plugin.cli.main import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
-    with pytest.raises(SystemExit) as err:
-        main(["replay", "--plot", str(tmp_path / "reuse.png")])
-    assert str(err.value) == (
+    assert main(["replay", "--plot", str(tmp_path / "reuse.png")]) == 2
+    assert capsys.readouterr().err == (
         "hybrid-kv: --plot needs matplotlib, which is not installed here; "
-        "install the optional extra: pip install 'hybrid-kv-plugin[plot]'"
+        "install the optional extra: pip install 'hybrid-kv-plugin[plot]'\n"
     )
 
 
@@ -265,17 +262,33 @@ def test_compare_renders_saved_reports_side_by_side(tmp_path):
 def test_progress_bar_draws_only_on_a_terminal():
     from hybrid_kv_plugin.cli.replay import Progress
 
+    now = iter([0.0, 10.0, 30.0])
     stream = io.StringIO()
-    bar = Progress(20, stream=stream, enabled=True)
+    bar = Progress(20, stream=stream, enabled=True, clock=lambda: next(now))
     bar.start("stock")
     bar.update(5)
     bar.finish_run(10)
     bar.start("plugin")
     bar.update(5)
     assert stream.getvalue().split("\r")[1:] == [
-        "stock            [#######.......................] 5/20 requests",
-        "plugin           [######################........] 15/20 requests",
+        "stock            [#######.......................] 5/20 requests, 10s elapsed, ETA 30s",
+        "plugin           [######################........] 15/20 requests, 30s elapsed, ETA 10s",
     ]
     quiet = io.StringIO()
     Progress(20, stream=quiet).update(5)  # StringIO is not a terminal
     assert quiet.getvalue() == ""
+
+
+def test_progress_lines_every_tenth_when_not_a_terminal():
+    from hybrid_kv_plugin.cli.replay import Progress
+
+    now = iter([0.0, 4.0, 20.0])
+    log = io.StringIO()
+    progress = Progress(40, stream=log, lines=True, clock=lambda: next(now))
+    progress.start("stock")
+    progress.update(3)  # under 10 %: nothing yet
+    progress.update(10)  # crosses 10 % and 20 %
+    assert log.getvalue().splitlines() == [
+        "stock: 10/40 requests (10%), 4s elapsed, ETA 12s",
+        "stock: 10/40 requests (20%), 20s elapsed, ETA 60s",
+    ]

@@ -42,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except SystemExit as exc:
+        # A bad input is one line on stderr and exit 2 (argparse's own code), never a traceback.
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code.rstrip("\n") + "\n")
+            return 2
+        raise
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # The command's own output is the report; vLLM's start-up chatter only hides it.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -67,25 +67,54 @@ def settings_from(args: argparse.Namespace) -> Any:
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """Progress on stderr: a redrawn bar with an ETA on a terminal; elsewhere (``lines=True``)
+    one line per 10 % of the requests, so a log file stays readable."""
 
-    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+        lines: bool = False,
+        clock: Any = None,
+    ) -> None:
+        import time
+
         self.stream = stream or sys.stderr
         self.total = max(total, 1)
         self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.lines = lines and not self.enabled
+        self.clock = clock or time.monotonic
+        self.started = self.clock()
         self.base = 0
         self.label = ""
+        self.next_tenth = 1
 
     def start(self, label: str) -> None:
         self.label = label
 
+    def _eta(self, done: int) -> str:
+        elapsed = self.clock() - self.started
+        if done <= 0:
+            return f"{elapsed:.0f}s elapsed"
+        left = elapsed * (self.total - done) / done
+        return f"{elapsed:.0f}s elapsed, ETA {left:.0f}s"
+
     def update(self, done_in_run: int) -> None:
+        done = self.base + done_in_run
+        if self.lines:
+            while self.next_tenth <= 10 and done * 10 >= self.next_tenth * self.total:
+                self.stream.write(f"{self.label}: {done}/{self.total} requests ({self.next_tenth * 10}%), {self._eta(done)}\n")
+                self.next_tenth += 1
+            self.stream.flush()
+            return
         if not self.enabled:
             return
-        done = self.base + done_in_run
         width = 30
         filled = width * done // self.total
-        self.stream.write(f"\r{self.label:<16} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests")
+        self.stream.write(
+            f"\r{self.label:<16} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests, {self._eta(done)}"
+        )
         self.stream.flush()
 
     def finish_run(self, requests: int) -> None:
@@ -93,7 +122,7 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled:
-            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.write("\r" + " " * 100 + "\r")
             self.stream.flush()
 
 
@@ -110,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "segment runs EAGLE)",
     )
     add_geometry_arguments(parser)
+    from hybrid_kv_plugin.cli import replay_inputs
+
+    replay_inputs.add_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")
     out.add_argument("--per-request", action="store_true", help="with --json: every request's ideal, reuse and loss")
@@ -123,18 +155,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_segments(args: argparse.Namespace) -> list[Any]:
-    from hybrid_kv_plugin.sim.workload import default_workload, load_trace, with_eagle
+    from hybrid_kv_plugin.sim.workload import default_workload, with_eagle
 
     if args.trace:
+        from hybrid_kv_plugin.cli.replay_inputs import InputError, load_trace_file
+
         try:
-            with open(args.trace, encoding="utf-8") as handle:
-                segments = load_trace(handle)
-        except OSError as exc:
-            raise SystemExit(f"hybrid-kv: cannot read --trace {args.trace}: {exc.strerror}") from None
-        except ValueError as exc:
-            raise SystemExit(f"hybrid-kv: --trace {args.trace}: {exc}") from None
-        if not segments:
-            raise SystemExit(f"hybrid-kv: --trace {args.trace} holds no request")
+            segments = load_trace_file(args)
+        except InputError as exc:
+            raise SystemExit(str(exc)) from None
     else:
         if args.scale < 1:
             raise SystemExit("hybrid-kv: --scale must be >= 1")
@@ -161,22 +190,43 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     out = out or sys.stdout
     if args.compare:
         return render_comparison(args.compare, out)
+    from hybrid_kv_plugin.cli.replay_inputs import InputError, check_flags, check_lengths, resolve_model
+
+    try:
+        check_flags(args)
+    except InputError as exc:
+        raise SystemExit(str(exc)) from None
     if args.plot:
         _require_matplotlib()
-    from hybrid_kv_plugin.sim.replay import replay
-
     segments = load_segments(args)
     settings = settings_from(args)
     configs = choose_configs(args.configs, segments)
+    try:
+        model = resolve_model(args)
+        if model is not None:
+            settings = settings_for_model(settings, model, args)
+        check_lengths(segments, settings.max_model_len or DEFAULT_MAX_MODEL_LEN)
+    except InputError as exc:
+        raise SystemExit(str(exc)) from None
+    from hybrid_kv_plugin.sim.replay import replay
+
     total = sum(len(s.requests) for s in segments)
-    progress = Progress(total * len(configs))
-    results = []
+    progress = Progress(total * len(configs), lines=True)
+    results, timings = [], []
     for config in configs:
         progress.start(config.name)
-        results.append(replay(segments, settings, config, progress=progress.update))
+        # No StepTimer here: its process-CPU clock costs a system call per step (up to a third of
+        # a long replay's time on a busy machine); steps/s is steps over wall time.
+        started = _wall()
+        results.append(replay(segments, settings, config, progress=progress.update, per_request=args.per_request))
+        timings.append(_timing(_wall() - started, total, results[-1].steps))
         progress.finish_run(total)
     progress.close()
     report = build_report(segments, settings, results, per_request=args.per_request)
+    for row, timing in zip(report["results"], timings):
+        row["timing"] = timing
+    if model is not None:
+        report["model_geometry"] = model.as_dict()
     if args.plot:
         plot_report(report, args.plot)
     if args.json:
@@ -186,6 +236,61 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         if args.plot:
             out.write(f"\nplot written to {args.plot}\n")
     return 0
+
+
+# The shipped tiny model's max_position_embeddings: the ceiling without --model.
+DEFAULT_MAX_MODEL_LEN = 262144
+
+
+def _wall() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _timing(seconds: float, requests: int, steps: int) -> dict[str, Any]:
+    """Wall time, throughput and peak RSS of one configuration's run (this process so far)."""
+    import resource
+
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "wall_s": round(seconds, 1),
+        "requests_per_s": round(requests / seconds, 2) if seconds else None,
+        "steps_per_s": round(steps / seconds, 1) if seconds else None,
+        "peak_rss_mib": round(peak_kib / 1024),
+    }
+
+
+def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> Any:
+    """The replay settings of a resolved model: its block sizes, unit, length and pools.
+
+    Explicit geometry flags would contradict the model, so they are refused.
+    """
+    from dataclasses import replace
+
+    from hybrid_kv_plugin.cli.replay_inputs import fail
+
+    from hybrid_kv_plugin.sim.replay import ReplaySettings
+
+    given = [SETTINGS_FLAGS[n] for n in MODEL_GEOMETRY_FIELDS if getattr(args, n) != getattr(ReplaySettings, n)]
+    if given:
+        fail(f"{', '.join(given)} conflict(s) with the model's resolved geometry; put cache flags in the serve line after --")
+    return replace(
+        settings,
+        attention_block_size=model.attention_block_size,
+        mamba_block_size=model.mamba_block_size,
+        hash_block_size=model.hash_block_size,
+        mamba_cache_mode=model.mamba_cache_mode,
+        gpu_blocks=model.gpu_blocks,
+        cpu_blocks=model.cpu_blocks,
+        max_model_len=model.max_model_len,
+        max_num_batched_tokens=model.max_num_batched_tokens,
+        max_num_seqs=model.max_num_seqs,
+    )
+
+
+# The settings a resolved model decides; a flag that sets one of them contradicts the model.
+MODEL_GEOMETRY_FIELDS = ("attention_block_size", "mamba_block_size", "hash_block_size", "gpu_blocks", "cpu_blocks")
 
 
 def build_report(segments: Sequence[Any], settings: Any, results: Sequence[Any], per_request: bool = False) -> dict:
@@ -212,10 +317,16 @@ def render_report(report: dict, out: TextIO) -> None:
     segs = ", ".join(f"{x['name']} {x['requests']}{' with EAGLE' if x['eagle'] else ''}" for x in report["segments"])
     requests = sum(x["requests"] for x in report["segments"])
     w(f"hybrid-kv replay on vLLM {report['vllm']}: {requests} requests ({segs})\n")
-    w(
-        f"geometry: FA {s['attention_block_size']} / Mamba {s['mamba_block_size']} {s['mamba_cache_mode']} / "
-        f"prefix-match unit {s['hash_block_size']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n\n"
-    )
+    model = report.get("model_geometry")
+    if model is not None:
+        from hybrid_kv_plugin.sim.model_geometry import ModelGeometry, describe
+
+        w(f"geometry: {describe(ModelGeometry(**model))}\n\n")
+    else:
+        w(
+            f"geometry: FA {s['attention_block_size']} / Mamba {s['mamba_block_size']} {s['mamba_cache_mode']} / "
+            f"prefix-match unit {s['hash_block_size']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n\n"
+        )
     results = report["results"]
     header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")
     w("{:<16} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
@@ -234,6 +345,17 @@ def render_report(report: dict, out: TextIO) -> None:
     names = [r["name"] for r in ran]
     width = max(16, *(len(n) + 1 for n in names))
     row = "{:<32}" + "".join(f" {{:>{width}}}" for _ in names) + "\n"
+    w("\n" + " " * 32 + "".join(f" {n:>{width}}" for n in names) + "\n")
+    w(row.format("hits from the GPU cache", *(f"{_share(r['reused_gpu_tokens'], r['prompt_tokens'])}" for r in ran)))
+    w(row.format("hits from the CPU tier", *(f"{_share(r['reused_cpu_tokens'], r['prompt_tokens'])}" for r in ran)))
+    w("  (share of all prompt tokens)\n")
+    if all("ttft_steps" in r for r in ran):
+        w(row.format("TTFT steps mean / p90", *(f"{r['ttft_steps']['mean']:.1f} / {r['ttft_steps']['p90']}" for r in ran)))
+    if all("timing" in r for r in ran):
+        w(row.format("wall s", *(r["timing"]["wall_s"] for r in ran)))
+        w(row.format("requests/s", *(r["timing"]["requests_per_s"] for r in ran)))
+        w(row.format("scheduler steps/s", *(r["timing"]["steps_per_s"] for r in ran)))
+        w(row.format("peak RSS MiB (process)", *(r["timing"]["peak_rss_mib"] for r in ran)))
     if len(report["segments"]) > 1:
         w("\nefficiency by segment\n")
         for i, seg in enumerate(report["segments"]):
@@ -266,6 +388,10 @@ _COMPARE_ROWS = (
     ("reused / reachable", lambda r: _fmt(r.get("efficiency_of_reachable"))),
     ("scheduler steps", lambda r: r["steps"]),
 )
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
 def _fmt(value: Any) -> str:

@@ -42,6 +42,8 @@ class ServeVerdict:
     # None: not relevant (no speculative decoding, switch off); else whether the junction
     # checkpoint would act, with the reason.
     junction_checkpoint: dict[str, Any] | None = None
+    # The model's geometry as vLLM resolves it (the line named a local model directory).
+    geometry: dict[str, Any] | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,6 +124,9 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
     block = args.block_size or 16
     mamba_block = args.mamba_block_size or block
     unit = args.prefix_match_unit or block
+    resolved = _resolved_geometry(argv, verdict, block_given=args.block_size is not None)
+    if resolved is not None:
+        block, mamba_block, unit = resolved.attention_block_size, resolved.mamba_block_size, resolved.hash_block_size
     for name, size in (("--block-size", block), ("--mamba-block-size", mamba_block)):
         if size % unit:
             verdict.errors.append(f"--prefix-match-unit: {unit} must divide {name} {size}")
@@ -168,6 +173,39 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
     except PluginConfigError as exc:
         verdict.errors.append(f"--additional-config: {exc}")
     return verdict
+
+
+def _resolved_geometry(argv: list[str], verdict: ServeVerdict, block_given: bool) -> Any:
+    """The model's geometry resolved by vLLM when the line names a local model directory
+    (the same resolution as ``hybrid-kv replay``); else None, with a note saying so."""
+    import os
+
+    from hybrid_kv_plugin.sim.model_geometry import GeometryError, parse_serve_line, resolve
+
+    try:
+        serve = parse_serve_line(argv)
+    except GeometryError as exc:
+        verdict.errors.append(str(exc))
+        return None
+    if not serve.model or not os.path.isfile(os.path.join(serve.model, "config.json")):
+        if not block_given:
+            verdict.notes.append(
+                "no local model directory (with a config.json) in the line and no --block-size: 16 assumed; "
+                "vLLM derives a hybrid model's blocks from its page sizes, so name the directory to resolve them"
+            )
+        return None
+    try:
+        geometry = resolve(serve)
+    except GeometryError as exc:
+        verdict.errors.append(str(exc))
+        return None
+    verdict.geometry = geometry.as_dict()
+    verdict.notes.append(
+        f"geometry resolved by vLLM from {serve.model}: FA block {geometry.attention_block_size} / Mamba block "
+        f"{geometry.mamba_block_size} {geometry.mamba_cache_mode} / prefix-match unit {geometry.hash_block_size}; "
+        f"max model len {geometry.max_model_len}"
+    )
+    return geometry
 
 
 def _junction_verdict(

@@ -121,6 +121,7 @@ class SimEngine:
         self.block_hasher = wheel.request_block_hasher(adapter, self.vllm_config, self.hash_block_size)
         self.transfers = transfer_policy or TransferPolicy()
         self.outcomes: dict[str, RequestOutcome] = {}
+        self._unfinished: set[str] = set()
         self.steps: list[StepRecord] = []
         self._observe_connector()
 
@@ -151,6 +152,7 @@ class SimEngine:
             block_hasher=self.block_hasher,
         )
         self.outcomes[request_id] = RequestOutcome(prompt_tokens=len(prompt_token_ids))
+        self._unfinished.add(request_id)
         self.scheduler.add_request(request)
         return request
 
@@ -199,11 +201,11 @@ class SimEngine:
             kv_connector_output=self._worker_transfers(scheduler_output, record),
         )
         self.scheduler.update_from_output(scheduler_output, output)
-        for req_id in list(self.outcomes):
-            outcome = self.outcomes[req_id]
-            if not outcome.finished and req_id not in self.scheduler.requests:
-                outcome.finished = True
-                record.finished.append(req_id)
+        # Only requests not yet finished are checked: a long trace has thousands of outcomes.
+        for req_id in [r for r in self._unfinished if r not in self.scheduler.requests]:
+            self._unfinished.discard(req_id)
+            self.outcomes[req_id].finished = True
+            record.finished.append(req_id)
         self.steps.append(record)
         return record
 

@@ -24,9 +24,19 @@ def data_dir(name: str) -> str:
 
 
 def offline_environment() -> None:
-    """vLLM must not reach a hub, and its caches go to a private temp dir unless set."""
+    """vLLM must not reach a hub, and its caches go to a private temp dir unless set.
+
+    The temp dir is made only when ``VLLM_CACHE_ROOT`` is unset (``setdefault`` would make one
+    on every call) and is removed when the process exits: nothing is left behind.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-"))
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        import atexit
+        import shutil
+
+        path = tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["VLLM_CACHE_ROOT"] = path
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAM
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats
 from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
+from hybrid_kv_plugin.sim.mooncake import TimedSegment, run_timed
 from hybrid_kv_plugin.sim.wheel import boundary_handoffs
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, prefix_keys
 
@@ -64,16 +65,25 @@ class ReplaySettings:
     # Steps the simulated worker takes to complete a connector transfer (in-flight stores
     # hold their CPU blocks meanwhile).
     transfer_delay_steps: int = 0
+    # None: long enough for the segment's longest request (a resolved model sets its own).
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
 
     def geometry(self, segment: Segment) -> HybridGeometry:
-        longest = max((len(r.history()) for r in segment.requests), default=0)
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            longest = max((len(r.prompt_token_ids) + r.max_tokens for r in segment.requests), default=0)
+            max_model_len = max(4096, longest + 64)
         return HybridGeometry(
             attention_block_size=self.attention_block_size,
             mamba_block_size=self.mamba_block_size,
             hash_block_size=self.hash_block_size,
             mamba_cache_mode=self.mamba_cache_mode,
             num_gpu_blocks=self.gpu_blocks,
-            max_model_len=max(4096, longest + 64),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             eagle=self.eagle if segment.eagle is None else segment.eagle,
             num_speculative_tokens=self.num_speculative_tokens,
         )
@@ -94,6 +104,8 @@ class SegmentResult:
     boundary_stats: dict[str, int] | None  # None: the connector has no counters
     cpu_evictions: int | None = None
     per_request: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Timed (Mooncake) segments: steps from arrival to first token, per request.
+    ttft_steps: dict[str, int] | None = None
 
 
 def _total(attr: str) -> Any:
@@ -171,7 +183,14 @@ class ReplayResult:
             "steps": self.steps,
             "loss": self.loss,
             "boundary_stats": self.boundary_stats,
+            **self._ttft(),
         }
+
+    def _ttft(self) -> dict[str, Any]:
+        timed = [s.ttft_steps for s in self.segments if s.ttft_steps is not None]
+        if not timed:
+            return {}
+        return {"ttft_steps": ttft_summary({rid: v for t in timed for rid, v in t.items()})}
 
     def as_dict(self, per_request: bool = False) -> dict[str, Any]:
         out = self.summary()
@@ -204,9 +223,23 @@ def _segment_dict(segment: SegmentResult, per_request: bool) -> dict[str, Any]:
         "loss": segment.loss,
         "boundary_stats": segment.boundary_stats,
     }
+    if segment.ttft_steps is not None:
+        out["ttft_steps"] = ttft_summary(segment.ttft_steps)
     if per_request:
         out["per_request"] = segment.per_request
     return out
+
+
+def ttft_summary(ttft: dict[str, int]) -> dict[str, float]:
+    """Mean and percentiles of the TTFT proxy (scheduler steps from arrival to first token)."""
+    values = sorted(ttft.values())
+    if not values:
+        return {"mean": 0.0, "p50": 0, "p90": 0, "p99": 0, "max": 0}
+
+    def pct(q: float) -> int:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return {"mean": round(sum(values) / len(values), 1), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": values[-1]}
 
 
 # ---------------------------------------------------------------------------- running
@@ -325,6 +358,7 @@ class _SegmentRun:
         self.unit = self.engine.hash_block_size
         self.ideal = ideal_reuse(segment.requests, self.unit)
         self.requests: dict[str, TraceRequest] = {r.request_id: r for r in segment.requests}
+        self.ttft_steps: dict[str, int] | None = None
         self.observed = observe
         self.cpu_evictions = 0
         if observe:
@@ -335,6 +369,9 @@ class _SegmentRun:
     # ------------------------------------------------------------------ driving
     def run(self, progress: Callable[[int], None] | None, done: int) -> int:
         engine = self.engine
+        if isinstance(self.segment, TimedSegment):
+            done, self.ttft_steps = run_timed(engine, self.segment, progress, done)
+            return done
         waves: dict[int, list[TraceRequest]] = {}
         for request in self.segment.requests:
             waves.setdefault(request.wave, []).append(request)
@@ -365,6 +402,7 @@ class _SegmentRun:
             loss=None,
             boundary_stats=self._store_stats(),
             cpu_evictions=self.cpu_evictions if self.observed else None,
+            ttft_steps=self.ttft_steps,
         )
         buckets: dict[str, dict[Bucket, int]] = {}
         for request in requests:

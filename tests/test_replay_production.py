@@ -1,0 +1,174 @@
+"""``hybrid-kv replay`` at production length, on a real model's geometry, and its bad inputs.
+
+The long prompts run on the Qwen3-Next-80B-A3B geometry the wheel resolves (544-token
+blocks); the bad-input table goes through the CLI entry point: one line on stderr, exit 2,
+no traceback, nothing on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_kv_plugin.cli.main import main
+from hybrid_kv_plugin.cli.replay import MODEL_GEOMETRY_FIELDS, settings_for_model
+from hybrid_kv_plugin.sim.geometry import data_dir
+from hybrid_kv_plugin.sim.model_geometry import ServeLine, resolve
+from hybrid_kv_plugin.sim.mooncake import load_mooncake
+from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+
+QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
+NEMOTRON_H = data_dir("nemotron-nano-9b-v2")
+SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
+SRC = Path(__file__).resolve().parent.parent / "src"
+STOCK_GPU, STOCK_CPU, PLUGIN_GPU, PLUGIN_CPU = 24_480, 0, 24_480, 0
+
+
+def _line(timestamp, input_length, output_length, hash_ids):
+    return json.dumps(
+        {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids}
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen_settings():
+    geometry = resolve(ServeLine(model=QWEN3_NEXT))
+
+    class Args:
+        pass
+
+    args = Args()
+    for name in MODEL_GEOMETRY_FIELDS:
+        setattr(args, name, getattr(ReplaySettings, name))
+    return settings_for_model(ReplaySettings(), geometry, args)
+
+
+# Align mode trims each prefill chunk of the 8192-token budget to whole 544-token blocks (8160),
+# and a Mamba state is kept where a chunk ends: a hit can only end on a multiple of 8160.
+CHUNK = 8192 // 544 * 544
+
+
+@pytest.mark.parametrize(
+    ("blocks", "shared"),
+    [
+        (32, 24),  # 16,384-token prompts sharing 12,288 tokens: ideal 22 blocks, reused one chunk
+        (256, 200),  # 131,072-token prompts sharing 102,400 tokens: ideal 188 blocks, reused 12 chunks
+    ],
+)
+@pytest.mark.parametrize("config", ["stock", "plugin"])
+def test_long_prompt_replays_on_the_qwen3_next_geometry(qwen_settings, blocks, shared, config):
+    first = list(range(blocks))
+    second = first[:shared] + list(range(10_000, 10_000 + blocks - shared))
+    (segment,) = load_mooncake([_line(0, blocks * 512, 3, first), _line(5000, blocks * 512, 3, second)])
+    result = replay([segment], qwen_settings, CONFIGS[config])
+    assert result.refused is None
+    prompt = blocks * 512
+    ideal = shared * 512 // 544 * 544
+    reused = shared * 512 // CHUNK * CHUNK
+    assert result.prompt_tokens == 2 * prompt
+    assert result.ideal_tokens == ideal
+    assert (result.reused_gpu_tokens, result.reused_cpu_tokens) == (reused, 0)
+    assert result.loss["no_mamba_state"] == ideal - reused
+    (seg,) = result.segments
+    # Each arrives to an idle engine; its first token comes with its last prefill chunk. The
+    # second takes one step more than its remaining chunks (measured on 0.29 and 0.33).
+    assert seg.ttft_steps == {"mc0": -(-prompt // CHUNK) - 1, "mc1": -(-(prompt - reused) // CHUNK)}
+
+
+def test_sample_trace_replays_with_exact_hits(qwen_settings):
+    with SAMPLE.open() as handle:
+        segments = load_mooncake(handle)
+    stock = replay(segments, qwen_settings, CONFIGS["stock"])
+    plugin = replay(segments, qwen_settings, CONFIGS["plugin"])
+    assert stock.prompt_tokens == plugin.prompt_tokens == 699_413
+    assert stock.ideal_tokens == plugin.ideal_tokens == 28_832
+    assert (stock.reused_gpu_tokens, stock.reused_cpu_tokens) == (STOCK_GPU, STOCK_CPU)
+    assert (plugin.reused_gpu_tokens, plugin.reused_cpu_tokens) == (PLUGIN_GPU, PLUGIN_CPU)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _write(tmp_path, *lines):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+BAD_INPUTS = [
+    (lambda p: ["replay", "--trace", _write(p, '{"timestamp": 0, "input_length": 5, "output_length": 1, '
+                                             '"hash_ids": [1], "priority": 1}')],
+     "trace line 1: unknown key(s) 'priority' for a Mooncake line (allowed: hash_ids, input_length, "
+     "output_length, timestamp)"),
+    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, 1, [1]), _line(1, 0, 1, []))],
+     "trace line 2: input_length must be > 0, got 0"),
+    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, -3, [1]))],
+     "trace line 1: output_length must be > 0, got -3"),
+    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, 1, [1]), '{"tokens": [1, 2, 3]}')],
+     "trace line 2: not a Mooncake line (the file mixes formats: its first line is Mooncake)"),
+    (lambda p: ["replay", "--trace", _write(p, '{"tokens": [1, 2, 3]}', _line(0, 5, 1, [1]))],
+     "trace line 2: a Mooncake line in a trace in the project's format (the file mixes formats)"),
+    (lambda p: ["replay", "--trace", _write(p, "{not json")], "trace line 1: not JSON"),
+    (lambda p: ["replay", "--trace", _write(p, _line(0, 300_000, 1, list(range(586))))],
+     "request mc0: prompt of 300000 tokens does not fit the model's max model length 262144"),
+    (lambda p: ["replay", "--per-request"], "hybrid-kv: --per-request needs --json"),
+    (lambda p: ["replay", "--limit", "0", "--trace", "x.jsonl"], "hybrid-kv: --limit must be >= 1, got 0"),
+    (lambda p: ["replay", "--trace", str(p / "missing.jsonl")], "cannot read --trace"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2_without_vllm(tmp_path, argv, message):
+    """Run in a fresh interpreter: the refusal must come before vLLM is imported."""
+    code = (
+        "import sys\n"
+        "from hybrid_kv_plugin.cli.main import main\n"
+        f"rc = main({argv(tmp_path)!r})\n"
+        "sys.stderr.write('vllm imported: %s\\n' % ('vllm' in sys.modules))\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and lines[1] == "vllm imported: False", done.stderr
+    assert message in lines[0] and lines[0].startswith("hybrid-kv: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", NEMOTRON_H], "request mc0: prompt of 140000 tokens does not fit the model's max model length 131072"),
+        (["--", QWEN3_NEXT, "--prefix-match-unit", "7"], "hybrid-kv: vLLM refuses this geometry: Invalid prefix_match_unit=7"),
+        (["--model", QWEN3_NEXT, "--attention-block-size", "32"],
+         "hybrid-kv: --attention-block-size conflict(s) with the model's resolved geometry"),
+    ],
+)
+def test_bad_model_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    trace = _write(tmp_path, _line(0, 140_000, 1, list(range(274))))
+    assert main(["replay", "--trace", trace, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- nothing left behind
+def test_replay_leaves_no_temp_dir_and_only_the_report_on_stdout(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
+    env.update(TMPDIR=str(tmp), PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run(
+        [sys.executable, "-m", "hybrid_kv_plugin.cli.main", "replay", "--trace", str(SAMPLE), "--limit", "3",
+         "--configs", "stock", "--json", "--model", QWEN3_NEXT],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)  # stdout is the report and nothing else
+    assert report["model_geometry"]["attention_block_size"] == 544
+    assert [r["requests"] for r in report["results"]] == [3]
+    assert list(tmp.iterdir()) == []
