@@ -214,7 +214,7 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     specs = _layer_specs(vllm_config, attention_layers, mamba_layers)
     gpu_kv = int(serve.kv_cache_memory_bytes or gpu_kv_bytes or DEFAULT_GPU_KV_GIB * GIB)
-    from hybrid_kv_plugin.adapters.kv_planning import kv_cache_planner, resolve_layout
+    from hybrid_kv_plugin.sim.kv_planning import kv_cache_planner, resolve_layout
 
     resolve_layout(vllm_config, FlashAttentionBackend, specs)
     planner = kv_cache_planner()
@@ -229,9 +229,10 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from hybrid_kv_plugin.registration import current_adapter
+    from hybrid_kv_plugin.sim.wheel import resolve_block_sizes
 
     # The engine's own (scheduler block, hash unit) resolution, which also refuses a bad unit.
-    _scheduler_block, unit = current_adapter().resolve_block_sizes(kv_cache_config, vllm_config)
+    _scheduler_block, unit = resolve_block_sizes(current_adapter(), kv_cache_config, vllm_config)
     block = cache_config.block_size
     mamba_block = cache_config.mamba_block_size or block
     for spec in specs.values():
