@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,9 +26,14 @@ def data_dir(name: str) -> str:
 
 
 def offline_environment() -> None:
-    """vLLM must not reach a hub, and its caches go to a private temp dir unless set."""
+    """vLLM must not reach a hub, and its caches go to a private temp dir unless set.
+
+    The dir is made only when needed (once per process) and removed when the process exits."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-"))
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        cache_root = tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-")
+        atexit.register(shutil.rmtree, cache_root, True)
+        os.environ["VLLM_CACHE_ROOT"] = cache_root
 
 
 @dataclass(frozen=True)
