@@ -1,7 +1,13 @@
 """GPU end-to-end check: real ``vllm serve`` with the plugin on a tiny dummy-weight hybrid model.
 
-    python examples/gpu_e2e.py --dry-run        # any machine: build + validate the command lines
-    python examples/gpu_e2e.py                  # one GPU: run stock, then plugin, print the figures
+How to run it: with the Python of a vLLM environment that has the plugin installed (from a
+checkout, ``scripts/test --setup-only 0.33.0`` builds one under ``.venvs/``; on a GPU machine,
+your own CUDA vLLM environment after ``pip install --no-deps <checkout or wheel>``):
+
+    .venvs/vllm-0.33.0/bin/python examples/gpu_e2e.py --dry-run   # any machine, CPU: build + validate the command lines
+    python examples/gpu_e2e.py                                    # one GPU: run stock, then plugin, print the figures
+
+``tests/test_examples.py`` runs the ``--dry-run`` on CPU; the GPU run needs a GPU and a CUDA vLLM.
 
 Each run starts ``vllm serve`` on the tiny Qwen3-Next config shipped in the plugin
 (``--load-format dummy``, no tokenizer: token-id prompts), sends a cold set of long

@@ -8,7 +8,15 @@ comes from the CPU tier. The same conversation runs through
 ``HybridSimpleCPUConnector`` and through the wheel's stock
 ``SimpleCPUOffloadConnector``.
 
-    python examples/multi_turn_cpu_offload.py [--turns 6] [--user-tokens 37] [--reply-tokens 12]
+How to run it: with the Python of a vLLM environment that has the plugin installed (a bare
+``python`` without them fails with ``ModuleNotFoundError``). From a checkout, ``scripts/demo``
+or ``scripts/test --setup-only 0.29.0`` builds such an environment under ``.venvs/``:
+
+    .venvs/vllm-0.29.0/bin/python examples/multi_turn_cpu_offload.py [--turns 6] [--user-tokens 37] [--reply-tokens 12]
+
+or, in your own vLLM environment after ``pip install --no-deps <checkout or wheel>``,
+``python examples/multi_turn_cpu_offload.py``. CPU only, no GPU, no weights; ~10 s after
+vLLM's imports. ``tests/test_examples.py`` runs it.
 
 Geometry: attention block 16, Mamba block 64, hash (prefix-match) block 16.
 """
@@ -18,11 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hybrid-kv-example-"))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the example's report
+
+from hybrid_kv_plugin.sim.geometry import offline_environment  # noqa: E402
+
+offline_environment()  # HF_HUB_OFFLINE=1 and a private VLLM_CACHE_ROOT, removed when the example exits
 
 
 def conversation(turns: int, system_tokens: int, user_tokens: int, reply_tokens: int) -> list[tuple[list[int], int]]:

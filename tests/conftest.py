@@ -8,23 +8,42 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 
 import pytest
 
+# Nothing left behind: every temp dir this session and its subprocesses make goes under one
+# private root (TMPDIR), checked and removed at the end (pytest_sessionfinish). A private
+# root, because other processes on the machine create hybrid-kv-* entries in /tmp too.
+SESSION_TMP = tempfile.mkdtemp(prefix="hybrid-kv-pytest-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = SESSION_TMP
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "VLLM_CACHE_ROOT" not in os.environ:
-    # Made only when unset (setdefault would make one per run regardless) and removed at exit.
-    import atexit
-    import shutil
-
     os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="hybrid-kv-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)
+_EXPECTED_TMP = {os.path.basename(os.environ["VLLM_CACHE_ROOT"])}
 
 import hybrid_kv_plugin  # noqa: E402
 from hybrid_kv_plugin import registration  # noqa: E402
 from hybrid_kv_plugin.adapters import select_adapter  # noqa: E402
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine  # noqa: E402
+
+def leftover_temp_entries() -> list[str]:
+    """The plugin's own temp entries (``hybrid-kv-*``) the session made and did not remove."""
+    return sorted(e for e in os.listdir(SESSION_TMP) if e.startswith("hybrid-kv-") and e not in _EXPECTED_TMP)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    leftovers = leftover_temp_entries()
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    if leftovers:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"temp entries left behind by the tests or the commands they ran: {', '.join(leftovers)}"
+        if reporter is not None:
+            reporter.write_line(f"FAILED nothing-left-behind check: {message}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 @pytest.fixture(scope="session")
 def adapter():

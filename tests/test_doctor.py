@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybrid_kv_plugin.cli.main import main
+from hybrid_kv_plugin.cli.main import console_main, main
 from hybrid_kv_plugin.patches import patch_specs
 
 from helpers import CAPABILITY_TABLE
@@ -96,7 +96,7 @@ def test_doctor_validates_a_good_serve_line(adapter):
 def test_doctor_rejects_invalid_serve_lines_with_exit_2(args, error, capsys):
     import shlex
 
-    assert main(["doctor", "--", *shlex.split(args)]) == 2
+    assert console_main(["doctor", "--", *shlex.split(args)]) == 2
     out = capsys.readouterr().out
     assert "vllm serve arguments: INVALID" in out
     assert error in out

@@ -207,9 +207,9 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": []}\n')
-    assert main(["replay", "--trace", str(bad)]) == 2
+    assert console_main(["replay", "--trace", str(bad)]) == 2
     assert capsys.readouterr().err == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt\n"
-    assert main(["replay", "--configs", "stock,fast"]) == 2
+    assert console_main(["replay", "--configs", "stock,fast"]) == 2
     assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction\n"
 
 
@@ -219,7 +219,7 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys)
     from hybrid_kv_plugin.cli.main import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
-    assert main(["replay", "--plot", str(tmp_path / "reuse.png")]) == 2
+    assert console_main(["replay", "--plot", str(tmp_path / "reuse.png")]) == 2
     assert capsys.readouterr().err == (
         "hybrid-kv: --plot needs matplotlib, which is not installed here; "
         "install the optional extra: pip install 'hybrid-kv-plugin[plot]'\n"

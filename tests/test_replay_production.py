@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_kv_plugin.cli.main import main
+from hybrid_kv_plugin.cli.main import console_main, main
 from hybrid_kv_plugin.cli.replay import MODEL_GEOMETRY_FIELDS, settings_for_model
 from hybrid_kv_plugin.sim.geometry import data_dir
 from hybrid_kv_plugin.sim.model_geometry import ServeLine, resolve
@@ -150,7 +150,7 @@ def test_bad_input_is_one_line_and_exit_2_without_vllm(tmp_path, argv, message):
 )
 def test_bad_model_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     trace = _write(tmp_path, _line(0, 140_000, 1, list(range(274))))
-    assert main(["replay", "--trace", trace, *argv]) == 2
+    assert console_main(["replay", "--trace", trace, *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and message in err and "Traceback" not in err

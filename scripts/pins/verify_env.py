@@ -12,11 +12,13 @@ wheel 0.26.0 ... 0.33.0 (see scripts/pins/README.md).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import importlib.metadata
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -155,7 +157,8 @@ def main() -> int:
                              ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
 
-    tmp = Path(tempfile.mkdtemp(prefix="hkv-verify-"))
+    tmp = Path(tempfile.mkdtemp(prefix="hybrid-kv-verify-"))
+    atexit.register(shutil.rmtree, tmp, True)  # nothing left behind
     model_dir = tmp / "tiny-qwen3-next"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(qwen_cfg.read_text())

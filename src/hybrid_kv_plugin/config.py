@@ -180,6 +180,24 @@ def connector_options_from(
     return options
 
 
+# Every environment variable the plugin reads, and what it does; `hybrid-kv doctor` checks each.
+PLUGIN_ENVIRONMENT: dict[str, str] = {
+    ENV_DISABLE: "1: vLLM runs stock (nothing patched, connector not registered)",
+    ENV_SHARED_PREFIX_CHECKPOINT: "overrides hybrid_kv.mamba_shared_prefix_checkpoint",
+}
+
+
+def environment_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per plugin environment variable whose value the plugin would refuse or misread."""
+    problems = []
+    for name in PLUGIN_ENVIRONMENT:
+        try:
+            env_flag(name, environ)
+        except PluginConfigError as err:
+            problems.append(str(err).removeprefix("invalid hybrid-kv-plugin configuration: "))
+    return problems
+
+
 def plugin_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``HYBRID_KV_PLUGIN_DISABLE``: a malformed value disables too, and says so."""
     try:

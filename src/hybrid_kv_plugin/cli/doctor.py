@@ -20,6 +20,7 @@ class DoctorReport:
     features: list[dict[str, str]] = field(default_factory=list)
     patches: list[dict[str, str]] = field(default_factory=list)
     serve_check: dict[str, Any] | None = None
+    environment_errors: list[str] = field(default_factory=list)  # malformed HYBRID_KV_* variables
 
     @property
     def ok(self) -> bool:
@@ -30,6 +31,7 @@ def collect(serve_args: list[str] | None = None) -> DoctorReport:
     """Report the decision ``register()`` makes (:func:`hybrid_kv_plugin.registration.decide`), patching nothing."""
     from hybrid_kv_plugin import __version__
     from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
+    from hybrid_kv_plugin.config import environment_problems
     from hybrid_kv_plugin.registration import decide
 
     decision = decide(look_past_disable=True)
@@ -40,6 +42,7 @@ def collect(serve_args: list[str] | None = None) -> DoctorReport:
         status=decision.status,
         reason=decision.reason,
         adapter=adapter.name if adapter else None,
+        environment_errors=environment_problems(),
     )
     if adapter is None:
         return report
@@ -75,6 +78,8 @@ def render(report: DoctorReport, out: TextIO) -> None:
     w(f"hybrid-kv-plugin {report.plugin_version} on vLLM {report.vllm_version}\n")
     w(f"adapter: {report.adapter or '-'}\n")
     w(f"status:  {report.status} ({report.reason})\n")
+    for line in report.environment_errors:
+        w(f"error:   {line}\n")
     if report.features:
         w("\nfeature                                                  support      reason\n")
         for f in report.features:
@@ -109,6 +114,6 @@ def run_doctor(json_output: bool = False, out: TextIO | None = None, serve_args:
         out.write(json.dumps(payload, indent=2) + "\n")
     else:
         render(report, out)
-    if report.serve_check is not None and report.serve_check["errors"]:
+    if report.environment_errors or (report.serve_check is not None and report.serve_check["errors"]):
         return 2
     return 0 if report.status in (Status.ACTIVE, Status.DISABLED) else 1

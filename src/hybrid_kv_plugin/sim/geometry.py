@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
@@ -26,17 +28,12 @@ def data_dir(name: str) -> str:
 def offline_environment() -> None:
     """vLLM must not reach a hub, and its caches go to a private temp dir unless set.
 
-    The temp dir is made only when ``VLLM_CACHE_ROOT`` is unset (``setdefault`` would make one
-    on every call) and is removed when the process exits: nothing is left behind.
-    """
+    The dir is made only when needed (once per process) and removed when the process exits."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "VLLM_CACHE_ROOT" not in os.environ:
-        import atexit
-        import shutil
-
-        path = tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-")
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
-        os.environ["VLLM_CACHE_ROOT"] = path
+        cache_root = tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-")
+        atexit.register(shutil.rmtree, cache_root, True)
+        os.environ["VLLM_CACHE_ROOT"] = cache_root
 
 
 @dataclass(frozen=True)
