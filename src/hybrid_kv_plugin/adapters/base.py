@@ -54,6 +54,9 @@ class VllmAdapter:
     junction_coordinator_extra_attrs: ClassVar[tuple[str, ...]] = ()
     # scheduler_output.kv_connector_block_state.boundary_state_offloads exists (0.29+).
     has_boundary_handoffs: ClassVar[bool] = False
+    # The plugin adds that channel (patches mamba_boundary_handoffs + boundary_handoff_publish):
+    # 0.26-0.28, whose Mamba managers record no boundary states.
+    boundary_handoff_patch_needed: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
     has_native_nixl_ssm_clip: ClassVar[bool] = False
     # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one
@@ -116,6 +119,8 @@ class VllmAdapter:
             return True, "SimpleCPU loads fine-grained hybrid hits (vLLM PR #54736)"
         if self.has_boundary_handoffs:
             return False, "SimpleCPU ignores the Mamba boundary handoffs this wheel publishes"
+        if self.boundary_handoff_patch_needed:
+            return False, "this wheel publishes no Mamba boundary handoffs (the plugin adds the vLLM 0.29 channel)"
         return False, "this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0)"
 
     def _unavailable_reason(self, feature: Feature, why_not: str) -> str:
@@ -264,8 +269,10 @@ class VllmAdapter:
 
     def boundary_handoffs(self, scheduler_output: Any) -> dict[str, list[int]]:
         """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
-        (``{}`` on wheels without the hand-off channel, or without a connector)."""
-        if not self.has_boundary_handoffs:
+        (``{}`` on wheels without the hand-off channel, or without a connector).
+
+        0.26-0.28 have the channel only while the plugin's hand-off patches are installed."""
+        if not (self.has_boundary_handoffs or self.boundary_handoff_patch_needed):
             return {}
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is None:

@@ -1,4 +1,4 @@
-"""vLLM 0.26.x: no NIXL SSM clip, no Mamba boundary handoffs, no junction checkpoint."""
+"""vLLM 0.26.x: no NIXL SSM clip, no Mamba boundary handoffs, no junction checkpoint (0.26-0.28 get all three backported)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ class Vllm026Adapter(VllmAdapter):
     backports_shipped = VllmAdapter.backports_shipped | {
         Feature.NIXL_SSM_SLOT_PAIRING,
         Feature.MAMBA_JUNCTION_CHECKPOINT,
+        # Seed 000: the plugin adds the 0.29 boundary hand-off channel, then runs the
+        # same fine-grained SimpleCPU scheduler as on 0.29 (hybrid_kv_plugin.offload).
+        Feature.FINE_GRAINED_CPU_HITS,
     }
+    boundary_handoff_patch_needed = True
 
     def nixl_patch_specs(self) -> list[PatchSpec]:
         """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""
@@ -32,6 +36,14 @@ class Vllm026Adapter(VllmAdapter):
         from hybrid_kv_plugin.patches import junction_coordinator, junction_split
 
         return [junction_coordinator.spec(self), junction_split.spec(self)]
+
+    def cpu_offload_patch_specs(self) -> list[PatchSpec]:
+        """Seed 000 prerequisite (0.26-0.28): record the Mamba boundary hand-offs and publish them."""
+        if not self.boundary_handoff_patch_needed:
+            return []
+        from hybrid_kv_plugin.patches import boundary_handoff_publish, mamba_boundary_handoffs
+
+        return [*mamba_boundary_handoffs.specs(self), boundary_handoff_publish.spec(self)]
 
 
 def _nixl_scheduler_clips_ssm() -> bool:
