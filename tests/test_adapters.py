@@ -10,9 +10,9 @@ from hybrid_kv_plugin.adapters.detect import InstalledVllm, probe_family
 N, B, U = Support.NATIVE, Support.BACKPORT, Support.UNAVAILABLE
 # (fine-grained CPU hits, junction checkpoint, NIXL slot pairing) per supported wheel.
 CAPABILITY_TABLE = {
-    "0.26.0": (U, B, B),
-    "0.27.1": (U, B, N),
-    "0.28.0": (U, B, N),
+    "0.26.0": (B, B, B),
+    "0.27.1": (B, B, N),
+    "0.28.0": (B, B, N),
     "0.29.0": (B, B, N),
     "0.30.0": (N, N, N),
     "0.31.0": (N, N, N),
@@ -73,7 +73,20 @@ def test_outside_range_selects_nothing(raw):
     assert selection.reason == f"vLLM {raw} is outside the supported range >=0.26.0,<0.34.0"
 
 
-def test_fine_grained_refusal_names_minimum_wheel():
-    verdict = adapter_for_family((0, 27), "0.27.1").verdict(Feature.FINE_GRAINED_CPU_HITS)
-    assert verdict.support is U
-    assert "needs vLLM >= 0.29.0" in verdict.reason
+def test_fine_grained_backport_names_the_added_channel():
+    for family, version in (((0, 26), "0.26.0"), ((0, 27), "0.27.1"), ((0, 28), "0.28.0")):
+        adapter = adapter_for_family(family, version)
+        verdict = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS)
+        assert (verdict.support, verdict.reason) == (
+            B, "this wheel publishes no Mamba boundary handoffs (the plugin adds the vLLM 0.29 channel)"
+        )
+        names = [s.name for s in adapter.cpu_offload_patch_specs()]
+        assert names == [
+            "mamba_boundary_handoffs.cache_blocks",
+            "mamba_boundary_handoffs.allocate_new_blocks",
+            "mamba_boundary_handoffs.pop_blocks_for_free",
+            "mamba_boundary_handoffs.new_step_starts",
+            "boundary_handoff_publish",
+        ]
+    # 0.29 publishes the hand-offs itself: no channel patch.
+    assert adapter_for_family((0, 29), "0.29.0").cpu_offload_patch_specs() == []

@@ -1,9 +1,8 @@
 """The behaviours of vLLM PR #54736 (seed 000), on the real scheduler of every wheel that has the feature.
 
-On 0.29 they come from the plugin's backport, on 0.30+ from vLLM itself behind the
-same connector name; each test asserts the same numbers on both. 0.26-0.28 refuse
-fine-grained mode (tested in test_cpu_offload_table.py), so the tests that need the
-feature skip there with that reason.
+On 0.26-0.29 they come from the plugin's backport, on 0.30+ from vLLM itself behind the
+same connector name; each test asserts the same numbers on both. On 0.26-0.28 the
+backport runs on the boundary hand-off channel the plugin adds to those wheels.
 """
 
 from __future__ import annotations
@@ -22,17 +21,13 @@ from conftest import tokens
 FA32 = HybridGeometry(attention_block_size=32)
 # The prompt whose Mamba prompt-tail state sits at 336 tokens: the last hash boundary
 # of the prompt up to 0.31, the last one <= N-1 from 0.32 (see the table test).
-PROMPT_WITH_TAIL_AT_336 = {"0.29.0": 336, "0.30.0": 336, "0.31.0": 336, "0.32.0": 352, "0.33.0": 352}
+PROMPT_WITH_TAIL_AT_336 = {"0.26.0": 336, "0.27.1": 336, "0.28.0": 336, "0.29.0": 336, "0.30.0": 336, "0.31.0": 336, "0.32.0": 352, "0.33.0": 352}
 
 
 @pytest.fixture
 def feature(adapter):
     support = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support
-    if support is Support.UNAVAILABLE:
-        pytest.skip(
-            f"vLLM {adapter.version} publishes no Mamba boundary hand-offs (fine-grained hits need >= 0.29.0); "
-            "HybridSimpleCPUConnector refuses there (test_cpu_offload_table.py::test_plugin_table)"
-        )
+    assert support is not Support.UNAVAILABLE  # backported on 0.26-0.29, native from 0.30
     return support
 
 
@@ -248,7 +243,7 @@ def _payload_tokens(entry) -> int:
 # (stored, skipped_already_cached) after A and its continuation B = A + 3 tokens: A hands
 # off its prompt-tail state (stored); B hands off its own prompt tail, which is A's
 # state again up to 0.31 (already cached) and the later boundary 352 from 0.32.
-STATS_AFTER_REPLAY = {"0.29.0": (1, 1), "0.30.0": (1, 1), "0.31.0": (1, 1), "0.32.0": (2, 0), "0.33.0": (2, 0)}
+STATS_AFTER_REPLAY = {"0.26.0": (2, 0), "0.27.1": (2, 0), "0.28.0": (1, 1), "0.29.0": (1, 1), "0.30.0": (1, 1), "0.31.0": (1, 1), "0.32.0": (2, 0), "0.33.0": (2, 0)}
 
 
 def test_boundary_store_stats_same_fields_everywhere(plugin, adapter, feature):

@@ -16,9 +16,9 @@ from hybrid_kv_plugin.offload.scenarios import PLUGIN_CONNECTOR, STOCK_CONNECTOR
 from conftest import tokens
 
 EXPECTED_SUPPORT = {
-    "0.26.0": Support.UNAVAILABLE,
-    "0.27.1": Support.UNAVAILABLE,
-    "0.28.0": Support.UNAVAILABLE,
+    "0.26.0": Support.BACKPORT,
+    "0.27.1": Support.BACKPORT,
+    "0.28.0": Support.BACKPORT,
     "0.29.0": Support.BACKPORT,
 }
 SAVE_OUTCOMES = "vllm:simple_kv_offload_save_outcomes_total"
@@ -31,17 +31,22 @@ def _support(adapter) -> Support:
 @pytest.fixture
 def feature(adapter):
     support = _support(adapter)
-    if support is Support.UNAVAILABLE:
-        pytest.skip(
-            f"vLLM {adapter.version} publishes no Mamba boundary hand-offs (fine-grained hits need >= 0.29.0); "
-            "HybridSimpleCPUConnector refuses there (test_cpu_offload_table.py::test_plugin_table)"
-        )
+    assert support is not Support.UNAVAILABLE  # backported on 0.26-0.29, native from 0.30
     return support
 
 
 def test_adapter_verdict_and_patches(adapter):
     assert _support(adapter) is EXPECTED_SUPPORT.get(adapter.version, Support.NATIVE)
     names = [spec.name for spec in adapter.cpu_offload_patch_specs()]
+    if adapter.boundary_handoff_patch_needed:  # 0.26-0.28: the hand-off channel of 0.29
+        assert names == [
+            "mamba_boundary_handoffs.cache_blocks",
+            "mamba_boundary_handoffs.allocate_new_blocks",
+            "mamba_boundary_handoffs.pop_blocks_for_free",
+            "mamba_boundary_handoffs.new_step_starts",
+            "boundary_handoff_publish",
+        ]
+        return
     assert names == (["offload_has_connector"] if adapter.version.startswith("0.33.") else [])
 
 
@@ -182,7 +187,7 @@ def test_stock_modes_report_zero_stats(plugin, adapter):
 # ---------------------------------------------------------------------- stores queued at finish
 # Blocks A (320-token prompt, max_tokens=1) still had to store when it finished. From
 # 0.32 the prefill stops at 304, so all but one block were stored while it ran.
-FINISH_STORE_BLOCKS = {"0.29.0": 20, "0.30.0": 20, "0.31.0": 20, "0.32.0": 1, "0.33.0": 1}
+FINISH_STORE_BLOCKS = {"0.26.0": -1, "0.27.1": -1, "0.28.0": 20, "0.29.0": 20, "0.30.0": 20, "0.31.0": 20, "0.32.0": 1, "0.33.0": 1}
 
 
 def test_engine_keeps_stepping_for_stores_queued_at_finish(plugin, adapter, feature):

@@ -67,7 +67,8 @@ class VllmAdapter:
         {"cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload"}
     )
     # SimpleCPU offload (seed 000). The worker submits a step's stores even when the
-    # step runs no forward pass (0.30+); older workers submit only from wait_for_save.
+    # step runs no forward pass (0.26-0.28 from get_finished, 0.30+ natively); the 0.29
+    # worker submits only from wait_for_save.
     simplecpu_worker_submits_without_forward: ClassVar[bool] = False
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
     has_native_simplecpu_metrics: ClassVar[bool] = False

@@ -22,6 +22,9 @@ class Vllm026Adapter(VllmAdapter):
         Feature.FINE_GRAINED_CPU_HITS,
     }
     boundary_handoff_patch_needed = True
+    # 0.26-0.28 workers submit loads and stores from get_finished(), which runs on
+    # steps without a forward pass too (0.29 moved stores into wait_for_save()).
+    simplecpu_worker_submits_without_forward = True
 
     def nixl_patch_specs(self) -> list[PatchSpec]:
         """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""

@@ -11,6 +11,9 @@ class Vllm029Adapter(Vllm028Adapter):
     retention_interval_env_var = None
     has_boundary_handoffs = True
     boundary_handoff_patch_needed = False
+    # The worker submits stores only from wait_for_save(), which a step without a
+    # forward pass never calls (the plugin's connector submits them on clear).
+    simplecpu_worker_submits_without_forward = False
     first_waiting_queue_attr = "skipped_waiting"
     # The Mamba split knows internal prefill checkpoint blocks.
     junction_split_reads = Vllm028Adapter.junction_split_reads | {"mamba_has_prefill_checkpoint_blocks"}
