@@ -137,9 +137,11 @@ def test_every_outcome_counted_and_exported(plugin, adapter, feature):
     assert run.request(tokens(336), max_tokens=4) == 0
     assert injector.done
     after = engine.connector.get_boundary_store_stats().as_dict()
+    # 0.26-0.27 keep the whole-block Mamba state at 320 too: r1 hands it off (stored) as well.
+    own = 2 if adapter.version in ("0.26.0", "0.27.1") else 1
     assert {k: after[k] - before[k] for k in after} == {
-        "published": 7,  # r1's own prompt-tail hand-off + 6 injected
-        "stored": 1,
+        "published": own + 6,  # r1's own hand-offs + 6 injected
+        "stored": own,
         "dropped_cpu_full": 0,
         "dropped_request_gone": 2,
         "skipped_already_cached": 1,
@@ -165,7 +167,8 @@ def test_cpu_full_drops_the_handoff(plugin, adapter, feature):
     assert run.engine.offload_manager.cpu_block_pool.get_num_free_blocks() == 0
     run.request(tokens(336), max_tokens=4)
     stats = run.engine.connector.get_boundary_store_stats()
-    assert (stats.published, stats.dropped_cpu_full, stats.stored) == (1, 1, 0)
+    own = 2 if adapter.version in ("0.26.0", "0.27.1") else 1  # + the whole-block state at 320 there
+    assert (stats.published, stats.dropped_cpu_full, stats.stored) == (own, own, 0)
     run.invariants.check()
 
 
@@ -187,7 +190,7 @@ def test_stock_modes_report_zero_stats(plugin, adapter):
 # ---------------------------------------------------------------------- stores queued at finish
 # Blocks A (320-token prompt, max_tokens=1) still had to store when it finished. From
 # 0.32 the prefill stops at 304, so all but one block were stored while it ran.
-FINISH_STORE_BLOCKS = {"0.26.0": -1, "0.27.1": -1, "0.28.0": 20, "0.29.0": 20, "0.30.0": 20, "0.31.0": 20, "0.32.0": 1, "0.33.0": 1}
+FINISH_STORE_BLOCKS = {"0.26.0": 20, "0.27.1": 20, "0.28.0": 20, "0.29.0": 20, "0.30.0": 20, "0.31.0": 20, "0.32.0": 1, "0.33.0": 1}
 
 
 def test_engine_keeps_stepping_for_stores_queued_at_finish(plugin, adapter, feature):
