@@ -189,6 +189,10 @@ class VllmAdapter:
 
         return [async_load_liveness.spec(self)]
 
+    def partial_tail_pins(self, kv_cache_manager: Any) -> list[Any]:
+        """GPU blocks the KV-cache manager itself pins beyond the block tables (0.27-0.28 only)."""
+        return []
+
     def request_holds_kv_blocks(self, scheduler: Any, request_id: str) -> bool:
         """Whether the KV cache manager holds a real (non-null) block for the request, in any group."""
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers

@@ -240,6 +240,7 @@ class StepInvariants:
             self._fail(problem)
         self.checks += 1
         expected_gpu = table_refs(scheduler.kv_cache_manager.coordinator)
+        expected_gpu.update(b.block_id for b in self.engine.adapter.partial_tail_pins(scheduler.kv_cache_manager))
         expected_cpu: Counter[int] = Counter()
         if self.manager is not None:
             for problem in audit_pool(self.manager.cpu_block_pool, "CPU"):
