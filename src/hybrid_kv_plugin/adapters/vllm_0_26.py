@@ -25,6 +25,10 @@ class Vllm026Adapter(VllmAdapter):
     # 0.26-0.28 workers submit loads and stores from get_finished(), which runs on
     # steps without a forward pass too (0.29 moved stores into wait_for_save()).
     simplecpu_worker_submits_without_forward = True
+    # The scheduler trims a local hit for a longer external one with a truncate that
+    # asserts every group covers the prefix, Mamba included (0.27 only: 0.26 has no
+    # such trim, 0.28 caps Mamba groups).
+    mamba_lookup_trim_patch_needed = False
 
     def nixl_patch_specs(self) -> list[PatchSpec]:
         """Seed 004 backport: SSM-aware exchange clip (schedulers) + state-slot pairing (worker)."""
@@ -44,9 +48,12 @@ class Vllm026Adapter(VllmAdapter):
         """Seed 000 prerequisite (0.26-0.28): record the Mamba boundary hand-offs and publish them."""
         if not self.boundary_handoff_patch_needed:
             return []
-        from hybrid_kv_plugin.patches import boundary_handoff_publish, mamba_boundary_handoffs
+        from hybrid_kv_plugin.patches import boundary_handoff_publish, mamba_boundary_handoffs, truncate_mamba_lookup
 
-        return [*mamba_boundary_handoffs.specs(self), boundary_handoff_publish.spec(self)]
+        specs = [*mamba_boundary_handoffs.specs(self), boundary_handoff_publish.spec(self)]
+        if self.mamba_lookup_trim_patch_needed:
+            specs.append(truncate_mamba_lookup.spec(self))
+        return specs
 
 
 def _nixl_scheduler_clips_ssm() -> bool:

@@ -14,6 +14,7 @@ class Vllm027Adapter(Vllm026Adapter):
     junction_split_reads = Vllm026Adapter.junction_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
     mamba_partial_tail_reads = Vllm026Adapter.mamba_partial_tail_reads | {"_producer_partial_tail_reqs"}
     mamba_tracks_partial_tail_producers = True
+    mamba_lookup_trim_patch_needed = True
 
     def nixl_patch_specs(self) -> list:
         """Seed 004 is native here (``get_exchange_clipped_blocks``): delegate, patch nothing."""

@@ -84,14 +84,17 @@ def prefix_match_unit(adapter: Any, variant: Variant | None = None) -> int:
     a finer prefix-match unit produces. There the stock runs use 64-token attention
     blocks and a 64-token prefix-match unit (vLLM needs every group's block size to be
     a multiple of the unit), so every hit is whole scheduler blocks; the plugin's
-    connector (the backport, on the hand-off channel it adds) runs hash-granular.
+    hybrid variants (the backport, on the hand-off channel it adds) run hash-granular.
+    The full-attention variant keeps the 64 grid there: the feature does not touch it,
+    and at 16 its seed-0 program stalls the stock 0.26/0.28 scheduler (the requests of
+    0.29's deadlock seed stay waiting; no plugin patch is involved), a separate issue.
     """
     from hybrid_kv_plugin.adapters import Feature
 
     if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
         return HybridGeometry().mamba_block_size
-    stock_without_channel = variant is not None and variant.connector == STOCK_CONNECTOR and adapter.boundary_handoff_patch_needed
-    return HybridGeometry().mamba_block_size if stock_without_channel else HASH_UNIT
+    on_grid = variant is not None and (variant.connector == STOCK_CONNECTOR or variant.full_attention_only)
+    return HybridGeometry().mamba_block_size if on_grid and adapter.boundary_handoff_patch_needed else HASH_UNIT
 
 
 def load_failures_reportable(adapter: Any, variant: Variant) -> bool:
