@@ -272,6 +272,19 @@ class VllmAdapter:
         """
         return None
 
+    def boundary_handoffs_published(self) -> bool:
+        """Whether scheduler outputs carry the hand-offs now: natively (0.29+), or on 0.26-0.28
+        while the plugin's channel patch (``boundary_handoff_publish``) is installed."""
+        if self.has_boundary_handoffs or not self.boundary_handoff_patch_needed:
+            return self.has_boundary_handoffs
+        import inspect
+
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        from hybrid_kv_plugin.patching import is_patched
+
+        return is_patched(inspect.getattr_static(Scheduler, "_build_kv_connector_meta"))
+
     def boundary_handoffs(self, scheduler_output: Any) -> dict[str, list[int]]:
         """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
         (``{}`` on wheels without the hand-off channel, or without a connector).

@@ -413,7 +413,7 @@ class _SegmentRun:
         self.grid = MambaGrid()
         self.keys = {rid: prefix_keys(r.history(), self.unit) for rid, r in self.requests.items()}
         self.pending: dict[str, _Pending] = {}
-        self._dense_grid = not engine.adapter.has_boundary_handoffs
+        self._dense_grid = not engine.adapter.boundary_handoffs_published()
         # Requests the connector was asked about and not yet seen scheduled / finished; kept
         # small so per-step bookkeeping does not grow with the workload.
         self._asked: set[str] = set()
