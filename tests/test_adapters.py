@@ -6,9 +6,12 @@ import pytest
 
 from hybrid_kv_plugin.adapters import ADAPTERS, Feature, adapter_for_family, parse_release, select_adapter
 from hybrid_kv_plugin.adapters.detect import InstalledVllm, probe_family
+from hybrid_kv_plugin.patches import planned_patches
 
-from helpers import CAPABILITY_TABLE, U
+from helpers import CAPABILITY_TABLE, B, U
 
+# The manifest's patches that add vLLM 0.29's boundary hand-off channel to 0.26-0.28.
+HANDOFF_CHANNEL_PATCHES = ("mamba_boundary_handoffs", "boundary_handoff_publish", "truncate_mamba_lookup")
 FEATURES = (Feature.FINE_GRAINED_CPU_HITS, Feature.MAMBA_JUNCTION_CHECKPOINT, Feature.NIXL_SSM_SLOT_PAIRING)
 
 
@@ -63,7 +66,22 @@ def test_outside_range_selects_nothing(raw):
     assert selection.reason == f"vLLM {raw} is outside the supported range >=0.26.0,<0.34.0"
 
 
-def test_fine_grained_refusal_names_minimum_wheel():
-    verdict = adapter_for_family((0, 27), "0.27.1").verdict(Feature.FINE_GRAINED_CPU_HITS)
-    assert verdict.support is U
-    assert "needs vLLM >= 0.29.0" in verdict.reason
+def test_fine_grained_backport_names_the_added_channel():
+    for family, version in (((0, 26), "0.26.0"), ((0, 27), "0.27.1"), ((0, 28), "0.28.0")):
+        adapter = adapter_for_family(family, version)
+        verdict = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS)
+        assert (verdict.support, verdict.reason) == (
+            B, "this wheel publishes no Mamba boundary handoffs (the plugin adds the vLLM 0.29 channel)"
+        )
+        names = [p.spec.name for p in planned_patches(adapter) if p.patch in HANDOFF_CHANNEL_PATCHES]
+        assert names == [
+            "mamba_boundary_handoffs.cache_blocks",
+            "mamba_boundary_handoffs.allocate_new_blocks",
+            "mamba_boundary_handoffs.pop_blocks_for_free",
+            "mamba_boundary_handoffs.new_step_starts",
+            "boundary_handoff_publish",
+            *(["truncate_mamba_lookup"] if adapter.version.startswith("0.27.") else []),
+        ]
+    # 0.29 publishes the hand-offs itself: no channel patch.
+    planned = planned_patches(adapter_for_family((0, 29), "0.29.0"))
+    assert [p.patch for p in planned if p.patch in HANDOFF_CHANNEL_PATCHES] == []

@@ -1,9 +1,8 @@
 """The behaviours of vLLM PR #54736 (seed 000), on the real scheduler of every wheel that has the feature.
 
-On 0.29 they come from the plugin's backport, on 0.30+ from vLLM itself behind the
-same connector name; each test asserts the same numbers on both. 0.26-0.28 refuse
-fine-grained mode (tested in test_cpu_offload_table.py), so the tests that need the
-feature skip there with that reason.
+On 0.26-0.29 they come from the plugin's backport, on 0.30+ from vLLM itself behind the
+same connector name; each test asserts the same numbers on both. On 0.26-0.28 the
+backport runs on the boundary hand-off channel the plugin adds to those wheels.
 """
 
 from __future__ import annotations
@@ -22,17 +21,16 @@ from helpers import tokens
 FA32 = HybridGeometry(attention_block_size=32)
 # The prompt whose Mamba prompt-tail state sits at 336 tokens: the last hash boundary
 # of the prompt up to 0.31, the last one <= N-1 from 0.32 (see the table test).
-PROMPT_WITH_TAIL_AT_336 = {"0.29.0": 336, "0.30.0": 336, "0.31.0": 336, "0.32.0": 352, "0.33.0": 352}
+# 0.26-0.27 keep a Mamba state at every whole 64-token block (no sparse retention), so the
+# state at 320 is handed off (and stored) too; 0.28+ keep only the prompt-tail state.
+KEEPS_EVERY_MAMBA_BLOCK = ("0.26.0", "0.27.1")
+PROMPT_WITH_TAIL_AT_336 = {"0.26.0": 336, "0.27.1": 336, "0.28.0": 336, "0.29.0": 336, "0.30.0": 336, "0.31.0": 336, "0.32.0": 352, "0.33.0": 352}
 
 
 @pytest.fixture
 def feature(adapter):
     support = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support
-    if support is Support.UNAVAILABLE:
-        pytest.skip(
-            f"vLLM {adapter.version} publishes no Mamba boundary hand-offs (fine-grained hits need >= 0.29.0); "
-            "HybridSimpleCPUConnector refuses there (test_cpu_offload_table.py::test_plugin_table)"
-        )
+    assert support is not Support.UNAVAILABLE  # backported on 0.26-0.29, native from 0.30
     return support
 
 
@@ -104,6 +102,14 @@ def test_dcp_store_cursor_uses_resolved_sizes(plugin, adapter, feature, mamba_ca
             pytest.skip(f"vLLM {adapter.version} removed Mamba cache mode 'all' ({exc.__class__.__name__})")
         raise
     engine = run.engine
+    if mamba_cache_mode == "all" and adapter.version in KEEPS_EVERY_MAMBA_BLOCK:
+        # The stock scheduler of these wheels cannot run this geometry with any connector: its
+        # first connector lookup asserts (block_size % hash_block_size) in resolve_block_hashes.
+        stock = offload_engine(adapter, STOCK_CONNECTOR_NAME, geometry=geometry, configure=dcp4).engine
+        stock.add_request("a", tokens(336), max_tokens=4)
+        with pytest.raises(AssertionError):
+            stock.step()
+        pytest.skip(f"vLLM {adapter.version}: Mamba 'all' + DCP 4 asserts in the stock scheduler with any connector")
     engine.add_request("a", tokens(336), max_tokens=4)
     for _ in range(3):  # prefill, then two decodes: 336 tokens confirmed at the third store pass
         engine.step()
@@ -182,8 +188,10 @@ def test_mamba_blocks_never_scanned_positionally(plugin, adapter, feature):
     mamba_blocks.update(block for step in offered for block, _ in step)
     stored_mamba = [[b for b in stored if b in mamba_blocks] for stored in log.stores]
     assert stored_mamba == [[block for block, _ in step] for step in offered]
-    # Exactly one Mamba state leaves: the prompt-tail state of 336 tokens.
-    assert [boundary for step in offered for _, boundary in step] == [336]
+    # Exactly the Mamba states the GPU keeps leave: the prompt-tail state of 336 tokens
+    # (and the whole-block state at 320 where the wheel keeps one).
+    expected = [320, 336] if adapter.version in KEEPS_EVERY_MAMBA_BLOCK else [336]
+    assert [boundary for step in offered for _, boundary in step] == expected
     run.invariants.check()
 
 
@@ -224,17 +232,20 @@ def test_boundary_metadata_index_parallel_with_kv_events(plugin, adapter, featur
     run.engine.connector.take_events = capture
     n = PROMPT_WITH_TAIL_AT_336[adapter.version]
     run.request(tokens(n), max_tokens=4)
-    mixed = [i for i, (stored, offered) in enumerate(zip(log.stores, log.handoffs)) if offered and stored]
+    mixed = [i for i, (stored, offered) in enumerate(zip(log.stores, log.handoffs)) if offered and len(stored) > len(offered)]
     assert len(mixed) == 1
     step = mixed[0]
     stored, metadata = log.stores[step], log.metadata[step]
-    assert len(stored) == len(metadata) == 22  # the Mamba hand-off + 21 attention blocks
+    # 0.28+: the prompt-tail hand-off + attention blocks 0..20; 0.26-0.27 stored blocks
+    # 0..19 one step earlier, so only block 20 rides with the hand-off.
+    attention = 1 if adapter.version in KEEPS_EVERY_MAMBA_BLOCK else 21
+    assert len(stored) == len(metadata) == 1 + attention
     assert stored[0] == log.handoffs[step][0][1]
     payloads = [_payload_tokens(entry) for entry in metadata]
-    assert payloads == [0] + [16] * 21  # the hand-off carries no token payload
+    assert payloads == [0] + [16] * attention  # the hand-off carries no token payload
     # The store completes within its step (the simulated worker reports it at once).
     stored_events = [e for i, e in events if i == step and type(e).__name__ == "BlockStored" and e.medium == "CPU"]
-    assert [(e.group_idx, e.block_size, len(e.token_ids)) for e in stored_events] == [(1, 64, 0)] + [(0, 16, 16)] * 21
+    assert [(e.group_idx, e.block_size, len(e.token_ids)) for e in stored_events] == [(1, 64, 0)] + [(0, 16, 16)] * attention
     run.invariants.check()
 
 
@@ -248,7 +259,7 @@ def _payload_tokens(entry) -> int:
 # (stored, skipped_already_cached) after A and its continuation B = A + 3 tokens: A hands
 # off its prompt-tail state (stored); B hands off its own prompt tail, which is A's
 # state again up to 0.31 (already cached) and the later boundary 352 from 0.32.
-STATS_AFTER_REPLAY = {"0.29.0": (1, 1), "0.30.0": (1, 1), "0.31.0": (1, 1), "0.32.0": (2, 0), "0.33.0": (2, 0)}
+STATS_AFTER_REPLAY = {"0.26.0": (2, 0), "0.27.1": (2, 0), "0.28.0": (1, 1), "0.29.0": (1, 1), "0.30.0": (1, 1), "0.31.0": (1, 1), "0.32.0": (2, 0), "0.33.0": (2, 0)}
 
 
 def test_boundary_store_stats_same_fields_everywhere(plugin, adapter, feature):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from hybrid_kv_plugin.adapters import Feature, Support
-from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim import HybridGeometry
@@ -26,23 +25,35 @@ PROMPTS = (320, 336, 352, 368, 400, 496)
 TAIL_AT_N = [320, 336, 352, 368, 400, 496]
 TAIL_BEFORE_N = [320, 320, 336, 352, 384, 480]
 PLUGIN_ROW = {
-    "0.29.0": TAIL_AT_N,  # backport
+    # Backport: 0.26-0.28 with the boundary hand-off channel the plugin adds, 0.29 with its own.
+    "0.26.0": TAIL_AT_N,
+    "0.27.1": TAIL_AT_N,
+    "0.28.0": TAIL_AT_N,
+    "0.29.0": TAIL_AT_N,
     "0.30.0": TAIL_AT_N,
     "0.31.0": TAIL_AT_N,
     "0.32.0": TAIL_BEFORE_N,
     "0.33.0": TAIL_BEFORE_N,
 }
+BACKPORTED = ("0.26.0", "0.27.1", "0.28.0", "0.29.0")
 STOCK_ROW = {
     "0.26.0": [320, 320, 320, 320, 384, 448],
     "0.27.1": [320, 320, 320, 320, 384, 448],
     "0.28.0": [320, 0, 0, 0, 0, 0],
     "0.29.0": [320, 0, 0, 0, 0, 0],
-    **{v: row for v, row in PLUGIN_ROW.items() if v != "0.29.0"},
+    **{v: row for v, row in PLUGIN_ROW.items() if v not in BACKPORTED},
 }
 # A with max_tokens=1: it finishes in the step that completes its prompt, so nothing
 # is stored while it runs; only a flush at finish can keep its blocks.
 # From 0.32 the prefill stops at the prompt-tail checkpoint, so A caches it while it runs.
 PLUGIN_ROW_FINISH_ONLY = {
+    # 0.26-0.27 retain every whole Mamba block on the GPU, so those still reach the CPU tier
+    # through the committed-block hand-offs; the prompt-tail state of a request that finishes
+    # in its prompt step is never copied out of its running block (no copy-on-write), on any
+    # wheel up to 0.31, natively or backported.
+    "0.26.0": [320, 320, 320, 320, 384, 448],
+    "0.27.1": [320, 320, 320, 320, 384, 448],
+    "0.28.0": [320, 0, 0, 0, 0, 0],
     "0.29.0": [320, 0, 0, 0, 0, 0],
     "0.30.0": [320, 0, 0, 0, 0, 0],
     "0.31.0": [320, 0, 0, 0, 0, 0],
@@ -54,7 +65,7 @@ STOCK_ROW_FINISH_ONLY = {
     "0.27.1": [0, 320, 320, 320, 384, 448],
     "0.28.0": [0, 0, 0, 0, 0, 0],
     "0.29.0": [0, 0, 0, 0, 0, 0],
-    **{v: row for v, row in PLUGIN_ROW_FINISH_ONLY.items() if v != "0.29.0"},
+    **{v: row for v, row in PLUGIN_ROW_FINISH_ONLY.items() if v not in BACKPORTED},
 }
 OPT_OUT = {"fine_grained_hits": False}
 
@@ -68,23 +79,9 @@ def _row(adapter, connector: str, max_tokens: int = 4, extra=None, configure=Non
     return [cpu_tier_hit(run, tokens(n), max_tokens=max_tokens) for run, n in zip(engines, PROMPTS)]
 
 
-def _refusal(adapter) -> str:
-    return (
-        f"hybrid-kv-plugin: HybridSimpleCPUConnector cannot serve fine-grained hybrid prefix hits on "
-        f"vLLM {adapter.version}: this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0); "
-        "the connector refuses fine-grained mode at start-up. Upgrade vLLM, or set "
-        '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
-    )
-
-
 def test_plugin_table(plugin, adapter):
     support = _feature(adapter)
-    if support is Support.UNAVAILABLE:
-        # 0.26-0.28: no boundary hand-offs to build on; one clear refusal at start-up.
-        with pytest.raises(PluginConfigError) as refused:
-            offload_engine(adapter, CONNECTOR_NAME)
-        assert str(refused.value) == _refusal(adapter)
-        return
+    assert support is not Support.UNAVAILABLE  # backported on 0.26-0.29, native from 0.30
     mode = offload_engine(adapter, CONNECTOR_NAME).engine.connector.offload_mode
     assert mode is (OffloadMode.NATIVE if support is Support.NATIVE else OffloadMode.BACKPORT)
     plugin_row = _row(adapter, CONNECTOR_NAME)
@@ -106,10 +103,7 @@ def test_opt_out_is_the_stock_connector(plugin, adapter):
 def test_finish_flush_table(plugin, adapter):
     """max_tokens=1: only the blocks stored when A finishes can serve the replay."""
     assert _row(adapter, STOCK_CONNECTOR_NAME, max_tokens=1) == STOCK_ROW_FINISH_ONLY[adapter.version]
-    if _feature(adapter) is Support.UNAVAILABLE:
-        assert _row(adapter, CONNECTOR_NAME, max_tokens=1, extra=OPT_OUT) == STOCK_ROW_FINISH_ONLY[adapter.version]
-    else:
-        assert _row(adapter, CONNECTOR_NAME, max_tokens=1) == PLUGIN_ROW_FINISH_ONLY[adapter.version]
+    assert _row(adapter, CONNECTOR_NAME, max_tokens=1) == PLUGIN_ROW_FINISH_ONLY[adapter.version]
 
 
 def _dcp4(vllm_config) -> None:
@@ -123,7 +117,15 @@ def _dcp4(vllm_config) -> None:
 # GPU side registers that tail at the last hash boundary <= N-1, but SimpleCPU still looks
 # for it at N (manager.py _find_fa_partial_tail_source), so tails off the 64 grid are lost:
 # a native gap the plugin delegates to unchanged (it matches the stock connector there).
+# 0.26-0.28 themselves serve no partial hit under this DCP geometry on the GPU (0.26-0.27:
+# whole 64-token blocks only; 0.28: nothing off the 320 grid point); the CPU tier matches.
+DCP_GPU_ROW = {
+    "0.26.0": STOCK_ROW["0.26.0"],
+    "0.27.1": STOCK_ROW["0.27.1"],
+    "0.28.0": [320, 0, 0, 0, 0, 0],
+}
 DCP_ROW = {
+    **DCP_GPU_ROW,
     "0.29.0": TAIL_AT_N,
     "0.30.0": TAIL_AT_N,
     "0.31.0": TAIL_AT_N,
@@ -135,23 +137,20 @@ DCP_ROW = {
 def test_dcp_geometry(plugin, adapter):
     """Attention block = 16 x DCP 4 = 64 through the real coordinators; the replicated Mamba group stays 64."""
     support = _feature(adapter)
-    connector = CONNECTOR_NAME if support is not Support.UNAVAILABLE else STOCK_CONNECTOR_NAME
-    run = offload_engine(adapter, connector, configure=_dcp4)
+    run = offload_engine(adapter, CONNECTOR_NAME, configure=_dcp4)
     gpu_coordinator = run.engine.scheduler.kv_cache_manager.coordinator
     assert adapter.offload_group_block_sizes(gpu_coordinator) == (64, 64)
     assert adapter.offload_group_block_sizes(run.engine.offload_manager.cpu_coordinator) == (64, 64)
-    if support is Support.UNAVAILABLE:
-        # The stock connector scales Mamba by DCP too (256), so nothing reconciles.
-        hits = [cpu_tier_hit(offload_engine(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4), tokens(n)) for n in (320, 336)]
-        assert hits == [0, 0]
-        return
     assert run.engine.offload_manager.group_block_sizes == (64, 64)
-    assert [gpu_local_hit(adapter, tokens(n), configure=_dcp4) for n in PROMPTS] == PLUGIN_ROW[adapter.version]
+    gpu_row = [gpu_local_hit(adapter, tokens(n), configure=_dcp4) for n in PROMPTS]
+    assert gpu_row == DCP_GPU_ROW.get(adapter.version, PLUGIN_ROW[adapter.version])
     plugin_row = _row(adapter, CONNECTOR_NAME, configure=_dcp4)
     assert plugin_row == DCP_ROW[adapter.version]
+    if adapter.boundary_handoff_patch_needed:
+        assert plugin_row == gpu_row
     if support is Support.NATIVE:
         assert plugin_row == _row(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4)
-    else:  # the stock 0.29 connector scales the Mamba group by DCP (256 tokens)
+    else:  # the stock 0.26-0.29 connector scales the Mamba group by DCP (256 tokens)
         assert _row(adapter, STOCK_CONNECTOR_NAME, configure=_dcp4) == [0] * len(PROMPTS)
 
 

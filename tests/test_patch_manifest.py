@@ -8,7 +8,7 @@ import pytest
 
 from hybrid_kv_plugin import patches
 from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
-from hybrid_kv_plugin.patches import PATCH_MODULES, patch_specs, planned_patches, removal_note
+from hybrid_kv_plugin.patches import PATCH_MODULES, planned_patches, removal_note
 from hybrid_kv_plugin.registration import decide
 
 TESTED_WHEELS = [wheel for cls in ADAPTERS for wheel in cls.tested_wheels]
@@ -21,6 +21,9 @@ REMOVAL_NOTES = {
     "nixl_worker_pairing": "0.27.0",
     "junction_coordinator": "0.30.0",
     "junction_split": "0.30.0",
+    "mamba_boundary_handoffs": "0.29.0",
+    "boundary_handoff_publish": "0.29.0",
+    "truncate_mamba_lookup": "0.28.0",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
 }
@@ -64,7 +67,46 @@ def test_installed_here_exactly_when_the_declared_range_says(adapter, name):
         installs.removed_in is None or here < parse_release(installs.removed_in)
     )
     assert installs.when(adapter) is in_range
-    assert (name in [spec.name for spec in patch_specs(adapter)]) is in_range
+    assert (name in [planned.patch for planned in planned_patches(adapter)]) is in_range
+
+
+# The patches each wheel gets, by module (one row per tested wheel).
+PLANNED_BY_WHEEL = {
+    "0.26.0": [
+        "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
+        "junction_coordinator", "junction_split", "mamba_boundary_handoffs", "boundary_handoff_publish",
+    ],
+    "0.27.1": [
+        "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
+        "boundary_handoff_publish", "truncate_mamba_lookup",
+    ],
+    "0.28.0": [
+        "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
+        "boundary_handoff_publish",
+    ],
+    "0.29.0": ["scheduler_plugin_config", "junction_coordinator", "junction_split", "async_load_liveness"],
+    "0.30.0": ["scheduler_plugin_config", "async_load_liveness"],
+    "0.31.0": ["scheduler_plugin_config", "async_load_liveness"],
+    "0.32.0": ["scheduler_plugin_config", "async_load_liveness"],
+    "0.33.0": ["scheduler_plugin_config", "offload_has_connector", "async_load_liveness"],
+}
+
+
+def test_each_wheel_gets_exactly_these_patches(adapter):
+    planned = [planned.patch for planned in planned_patches(adapter)]
+    assert list(dict.fromkeys(planned)) == PLANNED_BY_WHEEL[adapter.version]
+
+
+def test_a_patch_of_several_attributes_is_planned_whole(adapter):
+    """``mamba_boundary_handoffs`` replaces four MambaManager methods: all four are planned, or none."""
+    names = [planned.spec.name for planned in planned_patches(adapter) if planned.patch == "mamba_boundary_handoffs"]
+    expected = [
+        "mamba_boundary_handoffs.cache_blocks",
+        "mamba_boundary_handoffs.allocate_new_blocks",
+        "mamba_boundary_handoffs.pop_blocks_for_free",
+        "mamba_boundary_handoffs.new_step_starts",
+    ]
+    assert names == (expected if adapter.boundary_handoff_patch_needed else [])
 
 
 def test_registration_installs_what_the_manifest_plans(no_plugin, adapter, monkeypatch):
@@ -72,6 +114,6 @@ def test_registration_installs_what_the_manifest_plans(no_plugin, adapter, monke
     decision = decide()
     assert decision.status == "active"
     assert [spec.name for spec in decision.specs] == [p.spec.name for p in planned_patches(adapter)]
-    # Install order follows the manifest.
-    order = [name for name in MODULES if name in {spec.name for spec in decision.specs}]
-    assert [spec.name for spec in decision.specs] == order
+    # Install order follows the manifest; a patch's several attributes go in one after another.
+    patches_in_order = [planned.patch for planned in planned_patches(adapter)]
+    assert patches_in_order == sorted(patches_in_order, key=list(MODULES).index)

@@ -85,8 +85,7 @@ def test_real_scheduler_builds_with_plugin_connector(plugin, make_engine, adapte
     from hybrid_kv_plugin.adapters import Feature
 
     extra = {"cpu_bytes_to_use": 1 << 22}
-    if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
-        extra["fine_grained_hits"] = False  # 0.26-0.28 refuse fine-grained mode for a hybrid model
+    assert adapter.supports(Feature.FINE_GRAINED_CPU_HITS)  # backported on 0.26-0.29, native from 0.30
     engine = make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config=extra)
     assert type(engine.connector).__name__ == "HybridSimpleCPUConnector"
     assert engine.scheduler.hybrid_kv_config.mamba_shared_prefix_checkpoint is False

@@ -52,10 +52,19 @@ class VllmAdapter:
         {"_partial_hit_reqs", "block_pool", "block_size", "kv_cache_group_id", "num_cached_block", "req_to_blocks"}
     )
     mamba_tracks_partial_tail_producers: ClassVar[bool] = False
+    # KVCacheManager._partial_tail_pins holds one reference on each producer's prompt-tail
+    # copy until the request's blocks are freed (0.27-0.28; 0.29 dropped that channel).
+    kv_cache_manager_pins_partial_tails: ClassVar[bool] = False
     # Coordinator attributes the junction gate needs beyond those of every wheel.
     junction_coordinator_extra_attrs: ClassVar[tuple[str, ...]] = ()
     # scheduler_output.kv_connector_block_state.boundary_state_offloads exists (0.29+).
     has_boundary_handoffs: ClassVar[bool] = False
+    # The plugin adds that channel (patches mamba_boundary_handoffs + boundary_handoff_publish):
+    # 0.26-0.28, whose Mamba managers record no boundary states.
+    boundary_handoff_patch_needed: ClassVar[bool] = False
+    # The scheduler trims a local hit for a longer external one with a truncate that asserts
+    # every group covers the prefix, Mamba included (0.27 only; patch truncate_mamba_lookup).
+    mamba_lookup_trim_patch_needed: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
     has_native_nixl_ssm_clip: ClassVar[bool] = False
     # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one
@@ -66,7 +75,8 @@ class VllmAdapter:
         {"cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload"}
     )
     # Fine-grained CPU offload hits. The worker submits a step's stores even when the
-    # step runs no forward pass (0.30+); older workers submit only from wait_for_save.
+    # step runs no forward pass (0.26-0.28 from get_finished, 0.30+ natively); the 0.29
+    # worker submits only from wait_for_save.
     simplecpu_worker_submits_without_forward: ClassVar[bool] = False
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
     has_native_simplecpu_metrics: ClassVar[bool] = False
@@ -118,6 +128,8 @@ class VllmAdapter:
             return True, "SimpleCPU loads fine-grained hybrid hits (vLLM PR #54736)"
         if self.has_boundary_handoffs:
             return False, "SimpleCPU ignores the Mamba boundary handoffs this wheel publishes"
+        if self.boundary_handoff_patch_needed:
+            return False, "this wheel publishes no Mamba boundary handoffs (the plugin adds the vLLM 0.29 channel)"
         return False, "this wheel publishes no Mamba boundary handoffs (needs vLLM >= 0.29.0)"
 
     def _unavailable_reason(self, feature: Feature, why_not: str) -> str:

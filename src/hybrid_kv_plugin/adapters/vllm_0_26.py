@@ -1,4 +1,4 @@
-"""vLLM 0.26.x: no NIXL SSM clip, no Mamba boundary handoffs, no junction checkpoint."""
+"""vLLM 0.26.x: no NIXL SSM clip, no Mamba boundary handoffs, no junction checkpoint (0.26-0.28 get all three backported)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ class Vllm026Adapter(VllmAdapter):
     backports_shipped = VllmAdapter.backports_shipped | {
         Feature.NIXL_SSM_SLOT_PAIRING,
         Feature.MAMBA_JUNCTION_CHECKPOINT,
+        # Fine-grained CPU hits: the plugin adds the 0.29 boundary hand-off channel, then
+        # runs the same fine-grained SimpleCPU scheduler as on 0.29 (hybrid_kv_plugin.offload).
+        Feature.FINE_GRAINED_CPU_HITS,
     }
+    boundary_handoff_patch_needed = True
+    # 0.26-0.28 workers submit loads and stores from get_finished(), which runs on
+    # steps without a forward pass too (0.29 moved stores into wait_for_save()).
+    simplecpu_worker_submits_without_forward = True
+    # 0.26 has no local-hit trim for a longer external hit (0.27 does; 0.28 caps Mamba groups).
+    mamba_lookup_trim_patch_needed = False
 
     def installs_backport(self, feature: Feature) -> bool:
         if feature is Feature.NIXL_SSM_SLOT_PAIRING and _nixl_scheduler_clips_ssm():

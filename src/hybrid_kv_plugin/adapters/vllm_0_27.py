@@ -12,3 +12,9 @@ class Vllm027Adapter(Vllm026Adapter):
     junction_split_reads = Vllm026Adapter.junction_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
     mamba_partial_tail_reads = Vllm026Adapter.mamba_partial_tail_reads | {"_producer_partial_tail_reqs"}
     mamba_tracks_partial_tail_producers = True
+    # Its local-hit trim asserts every group covers the prefix, Mamba included.
+    mamba_lookup_trim_patch_needed = True
+    # A producer's prompt-tail copy is offered as SchedulerOutput.partial_tail_offloads and
+    # pinned by the KV-cache manager until the request's blocks are freed.
+    kv_cache_manager_pins_partial_tails = True
+

@@ -10,6 +10,8 @@ class Vllm028Adapter(Vllm027Adapter):
     tested_wheels = ("0.28.0",)
     nixl_pairing_ratio_args = 2
     cache_block_size_is_mamba_block_size = False
+    # truncate_computed_blocks caps Mamba groups itself.
+    mamba_lookup_trim_patch_needed = False
     simplecpu_stock_keys = Vllm027Adapter.simplecpu_stock_keys | {
         "kv_offload_backend",
         "disk_path",

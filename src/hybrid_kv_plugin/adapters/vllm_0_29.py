@@ -10,6 +10,11 @@ class Vllm029Adapter(Vllm028Adapter):
     kv_cache_tensor_style = "layers"
     retention_interval_env_var = None
     has_boundary_handoffs = True
+    boundary_handoff_patch_needed = False
+    kv_cache_manager_pins_partial_tails = False
+    # The worker submits stores only from wait_for_save(), which a step without a
+    # forward pass never calls (the plugin's connector submits them on clear).
+    simplecpu_worker_submits_without_forward = False
     first_waiting_queue_attr = "skipped_waiting"
     # The Mamba split knows internal prefill checkpoint blocks.
     junction_split_reads = Vllm028Adapter.junction_split_reads | {"mamba_has_prefill_checkpoint_blocks"}

@@ -8,7 +8,9 @@ version on which the plugin no longer installs it. Each exports:
   adapter facts that decides whether a wheel gets the patch, and the tested wheels
   that gives (``since``, ``removed_in``);
 * ``spec(adapter)`` - the :class:`hybrid_kv_plugin.patching.PatchSpec`: target,
-  fingerprint, replacement, and the vLLM side that runs it.
+  fingerprint, replacement, and the vLLM side that runs it; or, for one patch that
+  must replace several attributes at once, ``specs(adapter)`` - their list, in
+  install order (they go in with every other patch, or none go in).
 
 ``register()`` and ``hybrid-kv doctor`` ask :func:`patch_specs`; nothing else
 decides which patches a wheel gets. Importing this package imports no vLLM.
@@ -22,13 +24,16 @@ from typing import TYPE_CHECKING
 from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
 from hybrid_kv_plugin.patches import (
     async_load_liveness,
+    boundary_handoff_publish,
     junction_coordinator,
     junction_split,
+    mamba_boundary_handoffs,
     nixl_exchange_clip,
     nixl_save_meta,
     nixl_worker_pairing,
     offload_has_connector,
     scheduler_plugin_config,
+    truncate_mamba_lookup,
 )
 
 if TYPE_CHECKING:
@@ -37,7 +42,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
     from hybrid_kv_plugin.patching import Installs, PatchSpec
 
-# Install order: the plugin's own config first (it validates the switches the others read).
+# Install order: the plugin's own config first (it validates the switches the others read);
+# the Mamba managers record boundary hand-offs before the scheduler publishes them.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -45,6 +51,9 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     nixl_worker_pairing,
     junction_coordinator,
     junction_split,
+    mamba_boundary_handoffs,
+    boundary_handoff_publish,
+    truncate_mamba_lookup,
     offload_has_connector,
     async_load_liveness,
 )
@@ -52,10 +61,12 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
 
 @dataclass(frozen=True)
 class PlannedPatch:
-    """One patch a wheel gets, with what the manifest declares about it."""
+    """One replaced attribute a wheel gets, with what its patch module declares about it."""
 
     spec: PatchSpec
     installs: Installs
+    # The patch module's name (several entries share it when the patch replaces several attributes).
+    patch: str
 
     @property
     def removed_in(self) -> str:
@@ -66,8 +77,18 @@ class PlannedPatch:
 def planned_patches(adapter: VllmAdapter) -> list[PlannedPatch]:
     """Every patch this wheel gets, in install order (all installed, or none)."""
     return [
-        PlannedPatch(module.spec(adapter), module.INSTALLS) for module in PATCH_MODULES if module.INSTALLS.when(adapter)
+        PlannedPatch(spec, module.INSTALLS, module.__name__.rsplit(".", 1)[1])
+        for module in PATCH_MODULES
+        if module.INSTALLS.when(adapter)
+        for spec in module_specs(module, adapter)
     ]
+
+
+def module_specs(module: ModuleType, adapter: VllmAdapter) -> list[PatchSpec]:
+    """The attributes one patch module replaces: ``specs(adapter)`` where it has several, else ``[spec(adapter)]``."""
+    if hasattr(module, "specs"):
+        return list(module.specs(adapter))
+    return [module.spec(adapter)]
 
 
 def patch_specs(adapter: VllmAdapter) -> list[PatchSpec]:
@@ -87,4 +108,4 @@ def removal_note(installs: Installs) -> str:
     return f"never (installed on {release[0]}.{release[1]}+)"
 
 
-__all__ = ["PATCH_MODULES", "PlannedPatch", "patch_specs", "planned_patches", "removal_note"]
+__all__ = ["PATCH_MODULES", "PlannedPatch", "module_specs", "patch_specs", "planned_patches", "removal_note"]

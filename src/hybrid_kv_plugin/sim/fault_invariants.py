@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
-from hybrid_kv_plugin.sim.wheel import boundary_handoffs
+from hybrid_kv_plugin.sim.wheel import boundary_handoffs, partial_tail_pins
 
 # Scheduler-side tables of SimpleCPU (stock, native or the plugin's backport) that
 # must be empty once nothing is in flight; a name a wheel lacks is skipped.
@@ -241,6 +241,7 @@ class StepInvariants:
             self._fail(problem)
         self.checks += 1
         expected_gpu = table_refs(scheduler.kv_cache_manager.coordinator)
+        expected_gpu.update(b.block_id for b in partial_tail_pins(self.engine.adapter, scheduler.kv_cache_manager))
         expected_cpu: Counter[int] = Counter()
         if self.manager is not None:
             for problem in audit_pool(self.manager.cpu_block_pool, "CPU"):

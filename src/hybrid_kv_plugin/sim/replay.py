@@ -25,7 +25,7 @@ from hybrid_kv_plugin.offload.stats import BoundaryStoreStats
 from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 from hybrid_kv_plugin.sim.mooncake import TimedSegment, run_timed
-from hybrid_kv_plugin.sim.wheel import boundary_handoffs
+from hybrid_kv_plugin.sim.wheel import boundary_handoffs, boundary_handoffs_published
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, prefix_keys
 
 # The boundary-store counters, in the order the report prints them.
@@ -444,7 +444,7 @@ class _SegmentRun:
         self.grid = MambaGrid()
         self.keys = {rid: prefix_keys(r.history(), self.unit) for rid, r in self.requests.items()}
         self.pending: dict[str, _Pending] = {}
-        self._dense_grid = not engine.adapter.has_boundary_handoffs
+        self._dense_grid = not boundary_handoffs_published(engine.adapter)
         # Requests the connector was asked about and not yet seen scheduled / finished; kept
         # small so per-step bookkeeping does not grow with the workload.
         self._asked: set[str] = set()

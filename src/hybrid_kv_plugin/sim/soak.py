@@ -61,7 +61,8 @@ def variants(adapter: Any) -> list[Variant]:
     """Stock and plugin connector, eager and lazy, hybrid and non-hybrid geometry.
 
     Where the wheel cannot serve fine-grained hits the plugin's connector only starts
-    with ``fine_grained_hits: false`` (it refuses otherwise: test_bad_input.py).
+    with ``fine_grained_hits: false`` (it refuses otherwise). Every supported wheel
+    serves them today (0.26-0.29 through the plugin's backport).
     """
     from hybrid_kv_plugin.adapters import Feature
 
@@ -74,18 +75,25 @@ def variants(adapter: Any) -> list[Variant]:
     ]
 
 
-def hash_block_size_for(adapter: Any) -> int:
-    """Hash-granular (16) where the wheel serves fine-grained hits; the Mamba block (64) elsewhere.
+def hash_block_size_for(adapter: Any, variant: Variant | None = None) -> int:
+    """Hash-granular (16) where the variant's connector serves fine-grained hits; the Mamba block (64) elsewhere.
 
     Stock SimpleCPU of 0.26-0.28 asserts on a CPU hit that is not a whole scheduler
     block (``update_state_after_alloc``: ``num_external_tokens // block_size > 0``), which
-    a finer prefix-match unit produces. There the hybrid runs use 64-token attention
+    a finer prefix-match unit produces. There the stock runs use 64-token attention
     blocks and a 64-token prefix-match unit (vLLM needs every group's block size to be
-    a multiple of the unit), so every hit is whole scheduler blocks.
+    a multiple of the unit), so every hit is whole scheduler blocks; the plugin's
+    hybrid variants (the backport, on the hand-off channel it adds) run hash-granular.
+    The full-attention variant keeps the 64 grid there: the feature does not touch it,
+    and at 16 its seed-0 program stalls the stock 0.26/0.28 scheduler (the requests of
+    0.29's deadlock seed stay waiting; no plugin patch is involved), a separate issue.
     """
     from hybrid_kv_plugin.adapters import Feature
 
-    return HASH_BLOCK_SIZE if adapter.supports(Feature.FINE_GRAINED_CPU_HITS) else HybridGeometry().mamba_block_size
+    if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
+        return HybridGeometry().mamba_block_size
+    on_grid = variant is not None and (variant.connector == STOCK_CONNECTOR_NAME or variant.full_attention_only)
+    return HybridGeometry().mamba_block_size if on_grid and adapter.boundary_handoff_patch_needed else HASH_BLOCK_SIZE
 
 
 def load_failures_reportable(adapter: Any, variant: Variant) -> bool:
@@ -138,7 +146,7 @@ class FaultHarness:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.can_fail_loads = load_failures_reportable(self.adapter, self.variant)
-        unit = hash_block_size_for(self.adapter)
+        unit = hash_block_size_for(self.adapter, self.variant)
         geometry = HybridGeometry(
             attention_block_size=unit,
             hash_block_size=unit,

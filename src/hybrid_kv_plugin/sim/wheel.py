@@ -3,8 +3,9 @@
 Each helper reads adapter facts (never version numbers) to build a vLLM object
 the way the installed wheel's own engine or worker builds it: the KV-cache
 tensor layout, the resolved block sizes, the request block hasher, the EAGLE
-group marks, and the Mamba boundary hand-offs a step published. Feature code
-never needs these; only ``hybrid_kv_plugin.sim`` and the tests do.
+group marks, the blocks the KV-cache manager pins on its own, and the Mamba
+boundary hand-offs a step published. Feature code never needs these; only
+``hybrid_kv_plugin.sim`` and the tests do.
 """
 
 from __future__ import annotations
@@ -91,10 +92,38 @@ def junction_active(adapter: VllmAdapter, scheduler: Any) -> bool:
     return plan_of(scheduler).enabled
 
 
+def partial_tail_pins(adapter: VllmAdapter, kv_cache_manager: Any) -> list[Any]:
+    """GPU blocks the KV-cache manager itself pins beyond the block tables.
+
+    0.27-0.28 offer a producer's prompt-tail copy as ``SchedulerOutput.partial_tail_offloads``
+    to a producer-side connector and hold one reference on it until the request's blocks
+    are freed (``KVCacheManager._partial_tail_pins``); other wheels pin nothing.
+    """
+    if not adapter.kv_cache_manager_pins_partial_tails:
+        return []
+    return [block for blocks in kv_cache_manager._partial_tail_pins.values() for block in blocks]
+
+
+def boundary_handoffs_published(adapter: VllmAdapter) -> bool:
+    """Whether scheduler outputs carry the hand-offs now: natively (0.29+), or on 0.26-0.28
+    while the plugin's channel patch (``boundary_handoff_publish``) is installed."""
+    if adapter.has_boundary_handoffs or not adapter.boundary_handoff_patch_needed:
+        return adapter.has_boundary_handoffs
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from hybrid_kv_plugin.patching import is_patched
+
+    return is_patched(inspect.getattr_static(Scheduler, "_build_kv_connector_meta"))
+
+
 def boundary_handoffs(adapter: VllmAdapter, scheduler_output: Any) -> dict[str, list[int]]:
     """Mamba boundary states one step published, as ``{req_id: [num_tokens, ...]}``
-    (``{}`` on wheels without the hand-off channel, or without a connector)."""
-    if not adapter.has_boundary_handoffs:
+    (``{}`` on wheels without the hand-off channel, or without a connector).
+
+    0.26-0.28 have the channel only while the plugin's hand-off patches are installed."""
+    if not (adapter.has_boundary_handoffs or adapter.boundary_handoff_patch_needed):
         return {}
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
     if block_state is None:
