@@ -79,6 +79,16 @@ class VllmAdapter:
     # reads this FCFS queue first. None: no reservation, no liveness patch.
     first_waiting_queue_attr: ClassVar[str | None] = None
 
+    # prompt_tail_checkpoint (hybrid_kv_plugin.prompt_tail): values other than "native" are
+    # offered (0.29+); where the wheel keeps the prompt-tail Mamba state natively: at the
+    # last hash boundary <= N-1 (0.32+) or at the prompt's last one (0.29-0.31), the latter
+    # one unit lower under EAGLE block drop (0.30+); whether the manager records a partial-tail
+    # producer as (block, tokens) (0.30+) or as tokens.
+    prompt_tail_checkpoint_supported: ClassVar[bool] = False
+    native_prompt_tail_keeps_replay_position: ClassVar[bool] = False
+    native_prompt_tail_eagle_shift: ClassVar[bool] = False
+    mamba_partial_tail_producer_holds_block: ClassVar[bool] = False
+
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
 
@@ -137,6 +147,7 @@ class VllmAdapter:
             *self.junction_patch_specs(),
             *self.cpu_offload_patch_specs(),
             *self.scheduler_liveness_patch_specs(),
+            *self.prompt_tail_patch_specs(),
         ]
 
     # One hook per seed feature; each returns [] where the wheel is native or the
@@ -170,6 +181,14 @@ class VllmAdapter:
         from hybrid_kv_plugin.junction import plan_of
 
         return plan_of(scheduler).enabled
+
+    def prompt_tail_patch_specs(self) -> list[PatchSpec]:
+        """prompt_tail_checkpoint: end a chunk at the kept positions and keep the state there."""
+        return []
+
+    def mamba_exports_checkpoint(self, manager: Any, request_id: str) -> bool:
+        """Whether the backend exports this request's prefill checkpoint inside a chunk (0.30+)."""
+        return False
 
     def cpu_offload_patch_specs(self) -> list[PatchSpec]:
         """Seed 000: fine-grained hybrid hits through SimpleCPU offload."""

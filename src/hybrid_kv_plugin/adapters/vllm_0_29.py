@@ -16,3 +16,11 @@ class Vllm029Adapter(Vllm028Adapter):
     # Seed 000: HybridSimpleCPUConnector backports fine-grained CPU hits on this wheel
     # (hybrid_kv_plugin.offload; a SimpleCPUOffloadScheduler subclass, no vLLM patch).
     backports_shipped = Vllm028Adapter.backports_shipped | {Feature.FINE_GRAINED_CPU_HITS}
+    # prompt_tail_checkpoint replay/both: the wheel writes the Mamba state at every
+    # chunk end and keeps partial tails by copy-on-write, so scheduler-side patches suffice.
+    prompt_tail_checkpoint_supported = True
+
+    def prompt_tail_patch_specs(self) -> list:
+        from hybrid_kv_plugin.patches import prompt_tail_manager, prompt_tail_split
+
+        return [prompt_tail_split.spec(self), prompt_tail_manager.spec(self)]
