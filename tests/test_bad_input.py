@@ -53,7 +53,7 @@ def test_switch_unknown_key(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_chekpoint": True}})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_chekpoint: unknown key "
-        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 
@@ -62,7 +62,7 @@ def test_switch_section_not_an_object(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": "on"})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv must be a JSON object, got str "
-        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 
@@ -238,7 +238,8 @@ def test_every_changed_patch_target_leaves_vllm_stock(no_plugin, monkeypatch, pl
             assert lines[0].startswith(f"hybrid-kv-plugin: inert, nothing patched: patch target {spec.target} changed")
             assert lines[0].endswith("supported vLLM >=0.26.0,<0.34.0")
             for other, other_owner, other_attr, other_original in resolved:
-                if other is not spec:
+                # Two patches may wrap one target (0.29: the Mamba split): both see the change.
+                if other.target != spec.target:
                     assert inspect.getattr_static(other_owner, other_attr) is other_original, other.target
                     assert not is_patched(inspect.getattr_static(other_owner, other_attr))
             hybrid_kv_plugin.uninstall()
