@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-CONFIG_NAMES = ("stock", "plugin", "plugin+junction")
+CONFIG_NAMES = ("stock", "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both")
+COLD_REPLAY_CONFIGS = ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
 
 
 # ---------------------------------------------------------------------------- shared with bench
@@ -93,8 +94,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         default=None,
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)}; plugin+junction is the plugin with the "
-        "mamba_shared_prefix_checkpoint switch on (default: stock,plugin, plus plugin+junction when a "
-        "segment runs EAGLE)",
+        "mamba_shared_prefix_checkpoint switch on, plugin+tail-X the plugin with prompt_tail_checkpoint X "
+        "(default: stock,plugin, plus plugin+junction when a segment runs EAGLE; with --cold-replay: "
+        f"{','.join(COLD_REPLAY_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--cold-replay",
+        action="store_true",
+        help="run every request twice, the GPU prefix cache evicted in between, and report the replay "
+        "external hit (CPU-tier hit tokens / prompt tokens of the second pass) per configuration",
     )
     add_geometry_arguments(parser)
     out = parser.add_argument_group("output")
@@ -126,13 +134,20 @@ def load_segments(args: argparse.Namespace) -> list[Any]:
         if args.scale < 1:
             raise SystemExit("hybrid-kv: --scale must be >= 1")
         segments = default_workload(seed=args.seed, scale=args.scale)
-    return with_eagle(segments, args.eagle)
+    segments = with_eagle(segments, args.eagle)
+    if getattr(args, "cold_replay", False):
+        from hybrid_kv_plugin.sim.cold_replay import cold_replay_segments
+
+        segments = cold_replay_segments(segments)
+    return segments
 
 
-def choose_configs(names: str | None, segments: Sequence[Any]) -> list[Any]:
+def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool = False) -> list[Any]:
     from hybrid_kv_plugin.sim.replay import CONFIGS
 
-    if names is None:
+    if names is None and cold_replay:
+        chosen = list(COLD_REPLAY_CONFIGS)
+    elif names is None:
         chosen = ["stock", "plugin"]
         if any(s.eagle for s in segments):
             chosen.append("plugin+junction")
@@ -154,7 +169,7 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
 
     segments = load_segments(args)
     settings = settings_from(args)
-    configs = choose_configs(args.configs, segments)
+    configs = choose_configs(args.configs, segments, cold_replay=args.cold_replay)
     total = sum(len(s.requests) for s in segments)
     progress = Progress(total * len(configs))
     results = []
@@ -164,6 +179,11 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         progress.finish_run(total)
     progress.close()
     report = build_report(segments, settings, results, per_request=args.per_request)
+    if args.cold_replay:
+        from hybrid_kv_plugin.sim.cold_replay import replay_external_hit
+
+        for summary, result in zip(report["results"], results):
+            summary["replay_external_hit"] = replay_external_hit(result)
     if args.plot:
         plot_report(report, args.plot)
     if args.json:
@@ -205,13 +225,13 @@ def render_report(report: dict, out: TextIO) -> None:
     )
     results = report["results"]
     header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")
-    w("{:<16} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
+    w("{:<18} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
     for r in results:
         if "refused" in r:
-            w(f"{r['name']:<16} refused: {r['refused']}\n")
+            w(f"{r['name']:<18} refused: {r['refused']}\n")
             continue
         w(
-            f"{r['name']:<16} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
+            f"{r['name']:<18} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
             f"{r['reused_gpu_tokens']:>9} {r['reused_cpu_tokens']:>9} {r['lost_tokens']:>6} "
             f"{r['efficiency']:>10.3f} {r['steps']:>6}\n"
         )
@@ -236,6 +256,12 @@ def render_report(report: dict, out: TextIO) -> None:
         w(row.format("  total lost", *(r["lost_tokens"] for r in ran)))
         w(row.format("reused / reachable", *(f"{r['efficiency_of_reachable']:.3f}" for r in ran)))
         w("  (reachable = ideal - no Mamba state - EAGLE prune: what a cache could have served)\n")
+    if any(r.get("replay_external_hit") for r in ran):
+        w("\nreplay external hit (cold -> replay: CPU-tier hit tokens / prompt tokens of the second pass)\n")
+        hits = [r["replay_external_hit"] for r in ran]
+        w(row.format("  CPU-tier hit tokens", *(h["cpu_tokens"] for h in hits)))
+        w(row.format("  replay prompt tokens", *(h["prompt_tokens"] for h in hits)))
+        w(row.format("  replay external hit", *(f"{h['ratio']:.4f}" for h in hits)))
     if any(r["boundary_stats"] is not None for r in ran):
         w("\nboundary hand-offs (connector counters; - = the connector has none)\n")
         from hybrid_kv_plugin.sim.replay import STORE_FIELDS
