@@ -226,7 +226,7 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
     assert str(err.value) == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt"
     with pytest.raises(SystemExit) as err:
         main(["replay", "--configs", "stock,fast"])
-    assert str(err.value) == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction"
+    assert str(err.value) == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction, plugin+tail-replay, plugin+tail-both"
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
