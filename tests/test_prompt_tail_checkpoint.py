@@ -159,3 +159,20 @@ def test_old_wheels_refuse_non_native(plugin, adapter):
             f"invalid hybrid-kv-plugin configuration: hybrid_kv.prompt_tail_checkpoint: {value!r} needs "
             f"vLLM >= 0.29.0 and this is vLLM {adapter.version} (allowed here: native)"
         )
+
+
+# EAGLE with block drop (0.33: lookahead hashes off): the drafter drops the last matched
+# unit, so both positions move one unit down; from 0.32 an exact replay's lookup reaches
+# the continuation position, so one state serves both kinds there.
+EAGLE_BOTH = {
+    **{v: {EXACT: [288, 304, 336, 464], CONTINUED: [304, 320, 352, 480]} for v in OLD_WHEELS},
+    **{v: {EXACT: [304, 320, 352, 480], CONTINUED: [304, 320, 352, 480]} for v in NEW_WHEELS},
+}
+
+
+def test_both_under_eagle_shifts_as_the_wheel_does(plugin, adapter):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    geometry = HybridGeometry(eagle=True, extra_speculative_config=adapter.eagle_block_drop_options())
+    assert _row(adapter, "both", EXACT, geometry) == EAGLE_BOTH[adapter.version][EXACT]
+    assert _row(adapter, "both", CONTINUED, geometry) == EAGLE_BOTH[adapter.version][CONTINUED]

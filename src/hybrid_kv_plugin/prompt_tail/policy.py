@@ -5,9 +5,9 @@ Invariant: every position is a multiple of the prefix-match unit, lies in
 EAGLE block drop: ``replay`` is the last hash boundary <= N-1 (an exact replay
 must recompute its last token, so its hit lands there), ``continuation`` the last
 one <= N (a longer prompt sharing all N tokens lands there). Under EAGLE block
-drop the wheel's own rule applies (vLLM's prefill checkpoint position: the
-drafter's dropped unit already leaves tokens to recompute), one unit below the
-prompt's last boundary for both, so ``replay`` and ``both`` keep the same state.
+drop both move one unit down (the drafter drops the last matched unit), except
+that from 0.32 (``native_keeps_replay_position``) an exact replay's lookup reaches
+the continuation position too, so there ``replay`` and ``both`` keep one state.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ class PromptTailPolicy:
 
     def replay_position(self, num_prompt_tokens: int) -> int:
         unit = self.hash_unit
-        if self.eagle_drop:
+        if self.eagle_drop and self.native_keeps_replay_position:
+            # 0.32+ lookups let an exact replay under EAGLE reach one unit below the prompt's end.
             return max(num_prompt_tokens // unit * unit - unit, 0)
-        return max((num_prompt_tokens - 1) // unit * unit, 0)
+        drop = unit if self.eagle_drop else 0
+        return max((num_prompt_tokens - 1) // unit * unit - drop, 0)
 
     def continuation_position(self, num_prompt_tokens: int) -> int:
         unit = self.hash_unit
