@@ -21,6 +21,8 @@ REMOVAL_NOTES = {
     "nixl_worker_pairing": "0.27.0",
     "junction_coordinator": "0.30.0",
     "junction_split": "0.30.0",
+    "prompt_tail_split": "not yet (present up to 0.33.0)",
+    "prompt_tail_manager": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
 }

@@ -28,6 +28,8 @@ from hybrid_kv_plugin.patches import (
     nixl_save_meta,
     nixl_worker_pairing,
     offload_has_connector,
+    prompt_tail_manager,
+    prompt_tail_split,
     scheduler_plugin_config,
 )
 
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.patching import Installs, PatchSpec
 
 # Install order: the plugin's own config first (it validates the switches the others read).
+# Patches of one target install in this order, each wrapping the one before (0.29:
+# prompt_tail_split wraps junction_split), and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -45,6 +49,8 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     nixl_worker_pairing,
     junction_coordinator,
     junction_split,
+    prompt_tail_split,
+    prompt_tail_manager,
     offload_has_connector,
     async_load_liveness,
 )
