@@ -54,7 +54,7 @@ def test_switch_unknown_key(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_chekpoint": True}})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_chekpoint: unknown key "
-        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 
@@ -63,7 +63,7 @@ def test_switch_section_not_an_object(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": "on"})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv must be a JSON object, got str "
-        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 
@@ -223,14 +223,21 @@ def test_every_changed_patch_target_leaves_vllm_stock(no_plugin, monkeypatch, pl
             assert registration.STATE.status == "mismatch", spec.target
             lines = plugin_log.messages(logging.WARNING)
             assert len(lines) == 1
-            # An earlier patch may pin the same vLLM attribute (the junction coordinator checks
-            # MambaManager.cache_blocks too); the line then names that target and the attribute.
-            named = lines[0].startswith(f"hybrid-kv-plugin: inert, nothing patched: patch target {spec.target} changed")
-            pinned_earlier = f"{owner.__name__}.{attr} is not" in lines[0]
-            assert named or pinned_earlier, lines[0]
+            # The line names the first target, in install order, that sees the change: the
+            # changed one, or an earlier patch whose fingerprint covers it (0.29: the junction
+            # coordinator checks the MambaManager methods that prompt_tail_manager and, on
+            # 0.26-0.28, mamba_boundary_handoffs wrap).
+            named = next(
+                other.target
+                for other in specs[: specs.index(spec) + 1]
+                if lines[0].startswith(f"hybrid-kv-plugin: inert, nothing patched: patch target {other.target} changed")
+            )
+            if named != spec.target:
+                assert f"{owner.__name__}.{attr} is not (" in lines[0], lines[0]
             assert lines[0].endswith("supported vLLM >=0.26.0,<0.34.0")
             for other, other_owner, other_attr, other_original in resolved:
-                if other is not spec:
+                # Two patches may wrap one target (0.29: the Mamba split): both see the change.
+                if other.target != spec.target:
                     assert inspect.getattr_static(other_owner, other_attr) is other_original, other.target
                     assert not is_patched(inspect.getattr_static(other_owner, other_attr))
             hybrid_kv_plugin.uninstall()

@@ -24,6 +24,8 @@ REMOVAL_NOTES = {
     "mamba_boundary_handoffs": "0.29.0",
     "boundary_handoff_publish": "0.29.0",
     "truncate_mamba_lookup": "0.28.0",
+    "prompt_tail_split": "not yet (present up to 0.33.0)",
+    "prompt_tail_manager": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
 }

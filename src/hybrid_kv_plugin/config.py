@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,13 @@ class PluginConfig(BaseModel):
         default=True,
         description="Keep the scheduler's waiting scan live after a failed async KV load "
         "(vLLM 0.29+: drop stale in-flight reservations, scan block holders first).",
+    )
+    prompt_tail_checkpoint: Literal["native", "replay", "both"] = Field(
+        default="native",
+        description="Where the prompt-tail Mamba state is kept (align mode): native = the wheel's "
+        "own position; replay = the last hash boundary <= N-1 (exact replays hit); both = that "
+        "boundary and the prompt's last one (exact replays and continuations hit; one extra "
+        "prefill chunk and Mamba block per request). See hybrid_kv_plugin.prompt_tail.",
     )
 
 
@@ -79,8 +86,11 @@ def _describe_error(prefix: str, model: type[BaseModel], err: ValidationError) -
 
 
 def _allowed_values(annotation: Any) -> str:
-    if annotation is bool:  # every option today
+    if annotation is bool:
         return "true or false"
+    if get_origin(annotation) is Literal:
+        values = [str(v) for v in get_args(annotation)]
+        return ", ".join(values[:-1]) + " or " + values[-1]
     return getattr(annotation, "__name__", None) or str(annotation)
 
 
@@ -149,6 +159,16 @@ def check_switch_needs_eagle(
         f"invalid hybrid-kv-plugin configuration: {source} needs EAGLE-style speculative decoding "
         f"(--speculative-config method eagle, eagle3 or mtp) and this engine has {has} "
         "(allowed without EAGLE: false)"
+    )
+
+
+def check_prompt_tail_supported(value: str, supported: bool, vllm_version: str) -> None:
+    """A non-native ``prompt_tail_checkpoint`` on a wheel without the Mamba partial-tail machinery stops start-up."""
+    if value == "native" or supported:
+        return
+    raise PluginConfigError(
+        f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.prompt_tail_checkpoint: {value!r} "
+        f"needs vLLM >= 0.29.0 and this is vLLM {vllm_version} (allowed here: native)"
     )
 
 

@@ -190,22 +190,34 @@ class PatchSet:
         return problems
 
     def install(self) -> None:
-        """Patch every target or none. Raises the first :class:`PatchMismatch`."""
+        """Patch every target or none. Raises the first :class:`PatchMismatch`.
+
+        Two patches may wrap the same target: each resolves after the previous one is
+        installed, so the later wraps the earlier (fingerprints look through wrappers),
+        and :meth:`uninstall` unwinds them in reverse order.
+        """
         if self._applied:
             return
-        resolved = [(spec, *spec.resolve()) for spec in self.specs]
-        planned = []
-        for spec, owner, attr, original in resolved:
-            replacement = spec.build(original)
-            try:
-                setattr(replacement, PATCH_MARKER, spec.name)
-            except (AttributeError, TypeError):
-                pass
-            owned = isinstance(owner, type) and attr in vars(owner) or not isinstance(owner, type)
-            planned.append((_Applied(spec, owner, attr, original, owned), replacement))
-        for applied, replacement in planned:
-            setattr(applied.owner, applied.attr, replacement)
-            self._applied.append(applied)
+        self.check_all()
+        try:
+            for spec in self.specs:
+                owner, attr, original = spec.resolve()
+                replacement = spec.build(original)
+                try:
+                    setattr(replacement, PATCH_MARKER, spec.name)
+                except (AttributeError, TypeError):
+                    pass
+                owned = isinstance(owner, type) and attr in vars(owner) or not isinstance(owner, type)
+                setattr(owner, attr, replacement)
+                self._applied.append(_Applied(spec, owner, attr, original, owned))
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def check_all(self) -> None:
+        """Raise the first :class:`PatchMismatch` among the targets, patching nothing."""
+        if problems := self.check():
+            raise problems[0]
 
     def uninstall(self) -> None:
         while self._applied:

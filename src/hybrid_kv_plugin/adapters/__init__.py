@@ -16,6 +16,7 @@ from hybrid_kv_plugin.adapters.vllm_0_28 import Vllm028Adapter
 from hybrid_kv_plugin.adapters.vllm_0_29 import Vllm029Adapter
 from hybrid_kv_plugin.adapters.vllm_0_30 import Vllm030Adapter
 from hybrid_kv_plugin.adapters.vllm_0_31 import Vllm031Adapter
+from hybrid_kv_plugin.adapters.vllm_0_32 import Vllm032Adapter
 from hybrid_kv_plugin.adapters.vllm_0_33 import Vllm033Adapter
 
 ADAPTERS: tuple[type[VllmAdapter], ...] = (
@@ -25,6 +26,7 @@ ADAPTERS: tuple[type[VllmAdapter], ...] = (
     Vllm029Adapter,
     Vllm030Adapter,
     Vllm031Adapter,
+    Vllm032Adapter,
     Vllm033Adapter,
 )
 

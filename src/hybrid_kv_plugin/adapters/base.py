@@ -91,6 +91,16 @@ class VllmAdapter:
     # reads this FCFS queue first. None: no reservation, no liveness patch.
     first_waiting_queue_attr: ClassVar[str | None] = None
 
+    # prompt_tail_checkpoint (hybrid_kv_plugin.prompt_tail): values other than "native" are
+    # offered (0.29+); where the wheel keeps the prompt-tail Mamba state natively: at the
+    # last hash boundary <= N-1 (0.32+) or at the prompt's last one (0.29-0.31), the latter
+    # one unit lower under EAGLE block drop (0.30+); whether the manager records a partial-tail
+    # producer as (block, tokens) (0.30+) or as tokens.
+    prompt_tail_checkpoint_supported: ClassVar[bool] = False
+    native_prompt_tail_keeps_replay_position: ClassVar[bool] = False
+    native_prompt_tail_eagle_shift: ClassVar[bool] = False
+    mamba_partial_tail_producer_holds_block: ClassVar[bool] = False
+
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()
 
@@ -150,6 +160,10 @@ class VllmAdapter:
 
         0.26-0.27 know no such tail (their coordinators cache the chunk end)."""
         return 0
+
+    def mamba_exports_checkpoint(self, manager: Any, request_id: str) -> bool:
+        """Whether the backend exports this request's prefill checkpoint inside a chunk (0.30+)."""
+        return False
 
     def request_holds_kv_blocks(self, scheduler: Any, request_id: str) -> bool:
         """Whether the KV cache manager holds a real (non-null) block for the request, in any group."""

@@ -21,3 +21,7 @@ class Vllm029Adapter(Vllm028Adapter):
     # HybridSimpleCPUConnector backports fine-grained CPU hits on this wheel
     # (hybrid_kv_plugin.offload; a SimpleCPUOffloadScheduler subclass, no vLLM patch).
     backports_shipped = Vllm028Adapter.backports_shipped | {Feature.FINE_GRAINED_CPU_HITS}
+    # prompt_tail_checkpoint replay/both (patches prompt_tail_split, prompt_tail_manager): the
+    # wheel writes the Mamba state at every chunk end and keeps partial tails by copy-on-write,
+    # so scheduler-side patches suffice.
+    prompt_tail_checkpoint_supported = True

@@ -20,9 +20,16 @@ class Vllm030Adapter(Vllm029Adapter):
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
     native_junction_scheduler_attr = "mamba_fine_grained_prefix_cache"
     scheduler_eagle_drop_attr = "use_eagle_block_drop"
+    # The Mamba manager's prompt tail sits one unit lower under EAGLE block drop, switch or not.
+    native_prompt_tail_eagle_shift = True
+    mamba_partial_tail_producer_holds_block = True
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)
 
     def offload_positionally_stable(self, manager: Any) -> bool:
         return bool(manager.has_positionally_stable_blocks)
+
+    def mamba_exports_checkpoint(self, manager: Any, request_id: str) -> bool:
+        # MambaManager._checkpoints: the reserved slot of a backend-exported checkpoint.
+        return request_id in manager._checkpoints

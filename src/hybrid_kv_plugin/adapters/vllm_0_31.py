@@ -1,11 +1,11 @@
-"""vLLM 0.31.x-0.32.x: the junction flag is renamed ``enable_mamba_shared_prefix_checkpoint``."""
+"""vLLM 0.31.x: the junction flag is renamed ``enable_mamba_shared_prefix_checkpoint``."""
 
 from hybrid_kv_plugin.adapters.vllm_0_30 import Vllm030Adapter
 
 
 class Vllm031Adapter(Vllm030Adapter):
-    families = ((0, 31), (0, 32))
-    tested_wheels = ("0.31.0", "0.32.0")
+    families = ((0, 31),)
+    tested_wheels = ("0.31.0",)
     native_junction_flag = "enable_mamba_shared_prefix_checkpoint"
     native_junction_scheduler_attr = "mamba_shared_prefix_checkpoint"
     has_native_simplecpu_metrics = True

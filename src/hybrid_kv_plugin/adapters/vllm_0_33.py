@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from hybrid_kv_plugin.adapters.vllm_0_31 import Vllm031Adapter
+from hybrid_kv_plugin.adapters.vllm_0_32 import Vllm032Adapter
 
 
-class Vllm033Adapter(Vllm031Adapter):
+class Vllm033Adapter(Vllm032Adapter):
     families = ((0, 33),)
     tested_wheels = ("0.33.0",)
     hashes_lookahead_tokens = True
     # kv_cache_planning.get_global_kv_cache_groups marks groups by ``spec.is_draft``.
     eagle_groups_follow_draft_layers = True
     kv_cache_config_carries_hash_sizes = True
-    simplecpu_stock_keys = Vllm031Adapter.simplecpu_stock_keys | {"num_cpu_blocks"}
+    simplecpu_stock_keys = Vllm032Adapter.simplecpu_stock_keys | {"num_cpu_blocks"}
     simplecpu_block_count_gated_by_name = True

@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-CONFIG_NAMES = ("stock", "plugin", "plugin+junction")
+CONFIG_NAMES = ("stock", "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both")
+COLD_REPLAY_CONFIGS = ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
 
 
 # ---------------------------------------------------------------------------- shared with bench
@@ -135,8 +136,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         default=None,
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)}; plugin+junction is the plugin with the "
-        "mamba_shared_prefix_checkpoint switch on (default: stock,plugin, plus plugin+junction when a "
-        "segment runs EAGLE)",
+        "mamba_shared_prefix_checkpoint switch on, plugin+tail-X the plugin with prompt_tail_checkpoint X "
+        "(default: stock,plugin, plus plugin+junction when a segment runs EAGLE; with --cold-replay: "
+        f"{','.join(COLD_REPLAY_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--cold-replay",
+        action="store_true",
+        help="run every request twice, the GPU prefix cache evicted in between, and report the replay "
+        "external hit (CPU-tier hit tokens / prompt tokens of the second pass) per configuration",
     )
     add_geometry_arguments(parser)
     from hybrid_kv_plugin.cli import replay_inputs
@@ -168,13 +176,20 @@ def load_segments(args: argparse.Namespace) -> list[Any]:
         if args.scale < 1:
             raise SystemExit("hybrid-kv: --scale must be >= 1")
         segments = default_workload(seed=args.seed, scale=args.scale)
-    return with_eagle(segments, args.eagle)
+    segments = with_eagle(segments, args.eagle)
+    if getattr(args, "cold_replay", False):
+        from hybrid_kv_plugin.sim.cold_replay import cold_replay_segments
+
+        segments = cold_replay_segments(segments)
+    return segments
 
 
-def choose_configs(names: str | None, segments: Sequence[Any]) -> list[Any]:
+def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool = False) -> list[Any]:
     from hybrid_kv_plugin.sim.replay import CONFIGS
 
-    if names is None:
+    if names is None and cold_replay:
+        chosen = list(COLD_REPLAY_CONFIGS)
+    elif names is None:
         chosen = ["stock", "plugin"]
         if any(s.eagle for s in segments):
             chosen.append("plugin+junction")
@@ -200,7 +215,7 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         _require_matplotlib()
     segments = load_segments(args)
     settings = settings_from(args)
-    configs = choose_configs(args.configs, segments)
+    configs = choose_configs(args.configs, segments, cold_replay=args.cold_replay)
     try:
         model = resolve_model(args)
         if model is not None:
@@ -213,12 +228,14 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     total = sum(len(s.requests) for s in segments)
     progress = Progress(total * len(configs), lines=True)
     results, timings = [], []
+    # --cold-replay sums the replay pass from the full per-request rows.
+    rows = args.per_request or args.cold_replay
     for config in configs:
         progress.start(config.name)
         # No StepTimer here: its process-CPU clock costs a system call per step (up to a third of
         # a long replay's time on a busy machine); steps/s is steps over wall time.
         started = _wall()
-        results.append(replay(segments, settings, config, progress=progress.update, per_request=args.per_request))
+        results.append(replay(segments, settings, config, progress=progress.update, per_request=rows))
         timings.append(_timing(_wall() - started, total, results[-1].steps))
         progress.finish_run(total)
     progress.close()
@@ -227,6 +244,11 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         row["timing"] = timing
     if model is not None:
         report["model_geometry"] = model.as_dict()
+    if args.cold_replay:
+        from hybrid_kv_plugin.sim.cold_replay import replay_external_hit
+
+        for summary, result in zip(report["results"], results):
+            summary["replay_external_hit"] = replay_external_hit(result)
     if args.plot:
         plot_report(report, args.plot)
     if args.json:
@@ -329,13 +351,13 @@ def render_report(report: dict, out: TextIO) -> None:
         )
     results = report["results"]
     header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")
-    w("{:<16} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
+    w("{:<18} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
     for r in results:
         if "refused" in r:
-            w(f"{r['name']:<16} refused: {r['refused']}\n")
+            w(f"{r['name']:<18} refused: {r['refused']}\n")
             continue
         w(
-            f"{r['name']:<16} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
+            f"{r['name']:<18} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
             f"{r['reused_gpu_tokens']:>9} {r['reused_cpu_tokens']:>9} {r['lost_tokens']:>6} "
             f"{r['efficiency']:>10.3f} {r['steps']:>6}\n"
         )
@@ -371,6 +393,12 @@ def render_report(report: dict, out: TextIO) -> None:
         w(row.format("  total lost", *(r["lost_tokens"] for r in ran)))
         w(row.format("reused / reachable", *(f"{r['efficiency_of_reachable']:.3f}" for r in ran)))
         w("  (reachable = ideal - no Mamba state - EAGLE prune: what a cache could have served)\n")
+    if any(r.get("replay_external_hit") for r in ran):
+        w("\nreplay external hit (cold -> replay: CPU-tier hit tokens / prompt tokens of the second pass)\n")
+        hits = [r["replay_external_hit"] for r in ran]
+        w(row.format("  CPU-tier hit tokens", *(h["cpu_tokens"] for h in hits)))
+        w(row.format("  replay prompt tokens", *(h["prompt_tokens"] for h in hits)))
+        w(row.format("  replay external hit", *(f"{h['ratio']:.4f}" for h in hits)))
     if any(r["boundary_stats"] is not None for r in ran):
         w("\nboundary hand-offs (connector counters; - = the connector has none)\n")
         from hybrid_kv_plugin.sim.replay import STORE_FIELDS

@@ -32,6 +32,8 @@ from hybrid_kv_plugin.patches import (
     nixl_save_meta,
     nixl_worker_pairing,
     offload_has_connector,
+    prompt_tail_manager,
+    prompt_tail_split,
     scheduler_plugin_config,
     truncate_mamba_lookup,
 )
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 
 # Install order: the plugin's own config first (it validates the switches the others read);
 # the Mamba managers record boundary hand-offs before the scheduler publishes them.
+# Patches of one target install in this order, each wrapping the one before (0.29:
+# prompt_tail_split wraps junction_split), and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -54,6 +58,8 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     mamba_boundary_handoffs,
     boundary_handoff_publish,
     truncate_mamba_lookup,
+    prompt_tail_split,
+    prompt_tail_manager,
     offload_has_connector,
     async_load_liveness,
 )

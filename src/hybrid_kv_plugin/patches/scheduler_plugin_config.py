@@ -7,8 +7,9 @@ a native field the switch would never reach it.
 
 What it changes: before the stock constructor runs (and so before the
 KVCacheManager and its Mamba managers exist), it validates the section
-(:class:`hybrid_kv_plugin.config.PluginConfig`; an invalid key or value, or the
-junction switch on an engine without EAGLE, stops start-up with a message naming
+(:class:`hybrid_kv_plugin.config.PluginConfig`; an invalid key or value, the
+junction switch on an engine without EAGLE, or a non-native
+``prompt_tail_checkpoint`` on a wheel older than 0.29, stops start-up with a message naming
 it), maps switches onto the wheel's native
 ``CacheConfig`` fields through the adapter, and exposes the validated config as
 ``scheduler.hybrid_kv_config``. ``AsyncScheduler`` inherits the patched constructor.
@@ -24,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
-from hybrid_kv_plugin.config import check_switch_needs_eagle, plugin_config_from
+from hybrid_kv_plugin.config import check_prompt_tail_supported, check_switch_needs_eagle, plugin_config_from
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         spec = vllm_config.speculative_config
         check_switch_needs_eagle(
             plugin_config.mamba_shared_prefix_checkpoint, getattr(spec, "method", None), spec is not None and spec.use_eagle()
+        )
+        check_prompt_tail_supported(
+            plugin_config.prompt_tail_checkpoint, adapter.prompt_tail_checkpoint_supported, adapter.version
         )
         if adapter.native_junction_flag_set(vllm_config) and not plugin_config.mamba_shared_prefix_checkpoint:
             log_once(

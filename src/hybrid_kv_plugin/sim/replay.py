@@ -37,6 +37,7 @@ class ReplayConfig:
     name: str
     plugin: bool
     mamba_shared_prefix_checkpoint: bool = False
+    prompt_tail_checkpoint: str = "native"
 
     @property
     def connector(self) -> str:
@@ -47,6 +48,8 @@ CONFIGS = {
     "stock": ReplayConfig("stock", plugin=False),
     "plugin": ReplayConfig("plugin", plugin=True),
     "plugin+junction": ReplayConfig("plugin+junction", plugin=True, mamba_shared_prefix_checkpoint=True),
+    "plugin+tail-replay": ReplayConfig("plugin+tail-replay", plugin=True, prompt_tail_checkpoint="replay"),
+    "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
 }
 
 
@@ -344,7 +347,10 @@ class _SegmentRun:
         self.geometry = settings.geometry(segment)
         # An operator sets the junction switch on EAGLE deployments only (elsewhere it is refused).
         switch = config.mamba_shared_prefix_checkpoint and self.geometry.eagle
-        additional = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}} if switch else None
+        options: dict[str, Any] = {"mamba_shared_prefix_checkpoint": True} if switch else {}
+        if config.prompt_tail_checkpoint != "native":
+            options["prompt_tail_checkpoint"] = config.prompt_tail_checkpoint
+        additional = {"hybrid_kv": options} if options else None
         # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
         # as cpu_bytes // page bytes for this single-tensor layout).
         cpu_bytes = settings.cpu_blocks * self.geometry.attention_page_bytes

@@ -50,6 +50,8 @@ class Variant:
     connector: str
     extra: tuple[tuple[str, Any], ...] = ()
     full_attention_only: bool = False
+    # additional_config["hybrid_kv"] entries of this variant's engines.
+    plugin_options: tuple[tuple[str, Any], ...] = ()
 
     def describe(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.extra)
@@ -72,6 +74,11 @@ def variants(adapter: Any) -> list[Variant]:
         Variant("plugin", CONNECTOR_NAME, opt_out),
         Variant("plugin-lazy", CONNECTOR_NAME, (*opt_out, ("lazy_offload", True))),
         Variant("plugin-full-attention", CONNECTOR_NAME, opt_out, full_attention_only=True),
+        *(
+            [Variant("plugin-tail-both", CONNECTOR_NAME, opt_out, plugin_options=(("prompt_tail_checkpoint", "both"),))]
+            if adapter.prompt_tail_checkpoint_supported
+            else []
+        ),
     ]
 
 
@@ -161,7 +168,7 @@ class FaultHarness:
             adapter=self.adapter,
             kv_connector=self.variant.connector,
             kv_connector_extra_config={"cpu_bytes_to_use": self.cpu_blocks * geometry.attention_page_bytes, **dict(self.variant.extra)},
-            additional_config={"hybrid_kv": dict(self.plugin_options)} if self.plugin_options else None,
+            additional_config=self._additional_config(),
             transfer_policy=TransferPolicy(fate=self._fate),
             configure=self._configure,
         )
@@ -169,6 +176,10 @@ class FaultHarness:
         self._ids = 0
         self._preemptions: dict[str, int] = {}
         self._families = [[random.Random(1000 + f).randint(1, 1000) for _ in range(MAX_PREFIX_UNITS * HASH_BLOCK_SIZE)] for f in range(FAMILIES)]
+
+    def _additional_config(self) -> dict[str, Any] | None:
+        options = {**dict(self.variant.plugin_options), **self.plugin_options}
+        return {"hybrid_kv": options} if options else None
 
     def _configure(self, vllm_config: Any) -> None:
         vllm_config.kv_transfer_config.kv_load_failure_policy = self.load_failure_policy

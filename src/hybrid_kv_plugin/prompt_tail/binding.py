@@ -1,0 +1,59 @@
+"""One :class:`PromptTailPolicy` per scheduler, shared with its Mamba managers.
+
+The value lives on the scheduler (``hybrid_kv_config``, validated before the stock
+constructor runs) while the managers are built inside that constructor, so the
+policy is bound the first time the scheduler splits a prefill chunk - always
+before the first chunk it schedules is cached. Managers never bound (a
+connector's CPU-side coordinator, a scheduler built without the plugin) keep the
+wheel's behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.prompt_tail.policy import NATIVE, PromptTailPolicy
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+SCHEDULER_POLICY_ATTR = "hybrid_kv_prompt_tail"
+MANAGER_POLICY_ATTR = "hybrid_kv_prompt_tail"
+
+
+def policy_of(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
+    """The policy of ``scheduler``, binding it (and its Mamba managers) on first use."""
+    policy = scheduler.__dict__.get(SCHEDULER_POLICY_ATTR)
+    if policy is None:
+        policy = _bind(scheduler, adapter)
+    return policy
+
+
+def _bind(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
+    config = getattr(scheduler, "hybrid_kv_config", None)
+    mode = getattr(config, "prompt_tail_checkpoint", NATIVE)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    if mode != NATIVE and not getattr(coordinator, "enable_partial_hash_hits", False):
+        # Sub-block positions are unreachable without partial hash hits: an extra chunk
+        # would cost a forward pass and serve nothing.
+        log_once(
+            logging.INFO,
+            "hybrid-kv-plugin: prompt_tail_checkpoint=%s is inactive here: partial hash hits are "
+            "disabled (prefix-match unit not finer than the Mamba block)",
+            mode,
+        )
+        mode = NATIVE
+    policy = PromptTailPolicy(
+        mode=mode,
+        hash_block_size=scheduler.hash_block_size,
+        eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr)),
+        native_keeps_replay_position=adapter.native_prompt_tail_keeps_replay_position,
+        native_eagle_shift=adapter.native_prompt_tail_eagle_shift,
+    )
+    setattr(scheduler, SCHEDULER_POLICY_ATTR, policy)
+    for manager in coordinator.single_type_managers:
+        if getattr(manager, "mamba_cache_mode", None) == "align":
+            setattr(manager, MANAGER_POLICY_ATTR, policy)
+    return policy

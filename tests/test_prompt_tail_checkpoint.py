@@ -1,0 +1,179 @@
+"""prompt_tail_checkpoint (native / replay / both) on every wheel, with the real scheduler.
+
+Request A (4 output tokens), GPU prefix cache evicted, then request C: A's prompt
+again (exact replay) or A's prompt + 3 tokens (continuation). C's hit is served by
+the CPU tier through HybridSimpleCPUConnector. Geometries: FA 16 + Mamba 64 align,
+prefix-match unit 16 (the issue's); FA 16 + Mamba 128; and the first one with
+``max_num_batched_tokens`` 128, so a prompt is prefilled in several chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.prompt_tail_scenarios import CONTINUED, EXACT, cold_replay, tail_engine
+from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
+
+from helpers import tokens
+
+PROMPTS = (320, 336, 368, 496)
+MAMBA64 = HybridGeometry()
+MAMBA128 = HybridGeometry(mamba_block_size=128)
+CHUNKED = HybridGeometry(max_num_batched_tokens=128)
+GEOMETRIES = {"fa16-mamba64": MAMBA64, "fa16-mamba128": MAMBA128, "fa16-mamba64-chunk128": CHUNKED}
+
+# The last hash boundary <= N-1 (exact replays land there) and <= N (continuations).
+REPLAY_ROW = [304, 320, 352, 480]
+PROMPT_ROW = [320, 336, 368, 496]
+OLD_WHEELS = ("0.29.0", "0.30.0", "0.31.0")
+NEW_WHEELS = ("0.32.0", "0.33.0")
+# The wheel's own rows (the issue's table); a chunked prompt loses its last chunk on 0.29-0.31.
+NATIVE = {
+    "fa16-mamba64": {
+        **{v: {EXACT: [0, 0, 0, 0], CONTINUED: PROMPT_ROW} for v in OLD_WHEELS},
+        **{v: {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]} for v in NEW_WHEELS},
+    },
+    "fa16-mamba64-chunk128": {
+        **{v: {EXACT: [256, 256, 256, 384], CONTINUED: PROMPT_ROW} for v in OLD_WHEELS},
+        **{v: {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]} for v in NEW_WHEELS},
+    },
+}
+# replay = the 0.33 row everywhere (with Mamba 128 the state at 320 is no block end: 304).
+REPLAY = {
+    "fa16-mamba64": {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]},
+    "fa16-mamba128": {EXACT: REPLAY_ROW, CONTINUED: REPLAY_ROW},
+    "fa16-mamba64-chunk128": {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]},
+}
+BOTH = {EXACT: REPLAY_ROW, CONTINUED: PROMPT_ROW}
+
+
+def _supported(adapter) -> bool:
+    return adapter.prompt_tail_checkpoint_supported
+
+
+def _row(adapter, mode: str, kind: str, geometry: HybridGeometry) -> list[int]:
+    return [cold_replay(adapter, mode, tokens(n), kind, geometry).hit for n in PROMPTS]
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_both_serves_exact_replays_and_continuations(plugin, adapter, geometry):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (start-up refusal tested below)")
+    assert _row(adapter, "both", EXACT, GEOMETRIES[geometry]) == BOTH[EXACT]
+    assert _row(adapter, "both", CONTINUED, GEOMETRIES[geometry]) == BOTH[CONTINUED]
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_replay_is_the_0_33_position(plugin, adapter, geometry):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (start-up refusal tested below)")
+    assert _row(adapter, "replay", EXACT, GEOMETRIES[geometry]) == REPLAY[geometry][EXACT]
+    assert _row(adapter, "replay", CONTINUED, GEOMETRIES[geometry]) == REPLAY[geometry][CONTINUED]
+
+
+@pytest.mark.parametrize("geometry", sorted(NATIVE))
+def test_native_is_the_wheel_row(plugin, adapter, geometry):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: the CPU tier serves no fine-grained hits before 0.29 (test_cpu_offload_table)")
+    expected = NATIVE[geometry][adapter.version]
+    assert _row(adapter, "native", EXACT, GEOMETRIES[geometry]) == expected[EXACT]
+    assert _row(adapter, "native", CONTINUED, GEOMETRIES[geometry]) == expected[CONTINUED]
+
+
+def _schedule(engine: SimEngine, n: int) -> list[dict[str, int]]:
+    engine.run([("a", tokens(n))], max_tokens=4)
+    return [step.num_scheduled_tokens for step in engine.steps]
+
+
+def test_native_schedules_like_stock(adapter):
+    """native: the same chunks and the same GPU hits as the wheel without the plugin."""
+    import hybrid_kv_plugin
+
+    def schedules_and_hits():
+        out = []
+        for n in PROMPTS:
+            engine = SimEngine(CHUNKED, adapter=adapter, additional_config={"hybrid_kv": {"prompt_tail_checkpoint": "native"}})
+            out.append((_schedule(engine, n), engine.run([("b", tokens(n))])["b"]))
+        return out
+
+    hybrid_kv_plugin.uninstall()
+    stock = schedules_and_hits()
+    hybrid_kv_plugin.register()
+    try:
+        assert schedules_and_hits() == stock
+    finally:
+        hybrid_kv_plugin.uninstall()
+
+
+# Cost on FA 16 + Mamba 64 (prompts 320, 336, 368, 496): prefill steps of A, and the
+# Mamba states it leaves cached on the GPU (= stored on the CPU tier).
+COST = {
+    "native": {
+        **{v: ([1, 1, 1, 1], [1, 1, 1, 1]) for v in OLD_WHEELS},
+        **{v: ([2, 2, 2, 2], [2, 1, 1, 1]) for v in NEW_WHEELS},
+    },
+    "replay": {v: ([2, 2, 2, 2], [2, 1, 1, 1]) for v in OLD_WHEELS + NEW_WHEELS},
+    "both": {v: ([2, 2, 2, 2], [2, 2, 2, 2]) for v in OLD_WHEELS + NEW_WHEELS},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(COST))
+def test_cost_steps_and_states(plugin, adapter, mode):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    runs = [cold_replay(adapter, mode, tokens(n), CONTINUED) for n in PROMPTS]
+    steps, states = COST[mode][adapter.version]
+    assert [r.prefill_steps for r in runs] == steps
+    assert [r.mamba_states for r in runs] == states
+    # The connector stores each kept state once: no double store.
+    assert [r.mamba_stored for r in runs] == states
+
+
+def test_other_values_stop_start_up(plugin, adapter):
+    for bad in ("Both", "none", True, 1, None):
+        with pytest.raises(PluginConfigError) as refused:
+            tail_engine(adapter, bad)
+        assert str(refused.value) == (
+            "invalid hybrid-kv-plugin configuration: hybrid_kv.prompt_tail_checkpoint: Input should be "
+            f"'native', 'replay' or 'both' (got {bad!r}; allowed: native, replay or both)"
+        )
+
+
+def test_old_wheels_refuse_non_native(plugin, adapter):
+    if _supported(adapter):
+        # 0.29+: the value is accepted and bound to the scheduler and its align Mamba managers.
+        run = tail_engine(adapter, "both")
+        run.request(tokens(336), max_tokens=1)
+        from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, SCHEDULER_POLICY_ATTR
+
+        policy = getattr(run.engine.scheduler, SCHEDULER_POLICY_ATTR)
+        assert (policy.mode, sorted(policy.kept(336))) == ("both", [320, 336])
+        managers = run.engine.scheduler.kv_cache_manager.coordinator.single_type_managers
+        assert [getattr(m, MANAGER_POLICY_ATTR, None) is policy for m in managers] == [False, True]
+        return
+    for value in ("replay", "both"):
+        with pytest.raises(PluginConfigError) as refused:
+            tail_engine(adapter, value)
+        assert str(refused.value) == (
+            f"invalid hybrid-kv-plugin configuration: hybrid_kv.prompt_tail_checkpoint: {value!r} needs "
+            f"vLLM >= 0.29.0 and this is vLLM {adapter.version} (allowed here: native)"
+        )
+
+
+# EAGLE with block drop (0.33: lookahead hashes off): the drafter drops the last matched
+# unit, so both positions move one unit down; from 0.32 an exact replay's lookup reaches
+# the continuation position, so one state serves both kinds there.
+EAGLE_BOTH = {
+    **{v: {EXACT: [288, 304, 336, 464], CONTINUED: [304, 320, 352, 480]} for v in OLD_WHEELS},
+    **{v: {EXACT: [304, 320, 352, 480], CONTINUED: [304, 320, 352, 480]} for v in NEW_WHEELS},
+}
+
+
+def test_both_under_eagle_shifts_as_the_wheel_does(plugin, adapter):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    geometry = HybridGeometry(eagle=True, extra_speculative_config=eagle_block_drop_options(adapter))
+    assert _row(adapter, "both", EXACT, geometry) == EAGLE_BOTH[adapter.version][EXACT]
+    assert _row(adapter, "both", CONTINUED, geometry) == EAGLE_BOTH[adapter.version][CONTINUED]
