@@ -91,12 +91,13 @@ def _register_locked() -> None:
     STATE.status, STATE.reason = "active", selection.reason
     log_once(
         logging.INFO,
-        "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches)",
+        "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches: %s)",
         selection.reason,
         adapter.name,
         role.value,
         len(patch_set.specs),
         len(specs),
+        ", ".join(spec.name for spec in patch_set.specs) or "none",
     )
 
 
