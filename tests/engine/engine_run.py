@@ -18,9 +18,8 @@ class EngineGeometry:
     prefix_match_unit: int = 16
     max_model_len: int = 2048
     cpu_bytes_to_use: int = 256 << 20
-    # float32 keeps the rounding of a prefill split at a different place (a continuation
-    # from a cache hit vs. from token 0) far below what a wrong state changes.
-    dtype: str = "float32"
+    # The CPU gated-delta-net kernel takes nothing else ("CPU GDN attention requires BF16.").
+    dtype: str = "bfloat16"
 
 
 ENGINE_GEOMETRY = EngineGeometry()

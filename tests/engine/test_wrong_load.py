@@ -76,6 +76,6 @@ def test_wrong_mamba_state_changes_outputs(llm, wrong_mamba_state):
     assert len(gpu_blocks) == mamba_groups + 15
     assert cpu_blocks[0] == cpu_blocks[1]
     assert uncached.num_cached_tokens == 0
-    # What test 1 asserts fails, by far more than the continuation tolerance.
+    # What test 1 asserts fails, and by more than even its continuation tolerance.
     assert (run.token_ids, run.logprobs) != (uncached.token_ids, uncached.logprobs)
-    assert max(abs(a - b) for a, b in zip(run.logprobs, uncached.logprobs)) > 10 * CONTINUATION_LOGPROB_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(run.logprobs, uncached.logprobs)) > CONTINUATION_LOGPROB_TOLERANCE

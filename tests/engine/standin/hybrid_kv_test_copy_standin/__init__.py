@@ -6,11 +6,12 @@ exactly these places (``vllm/v1/simple_kv_offload/``):
 - ``worker.py:165``  ``torch.cuda.Stream.priority_range()`` (the CPU runner's stream
   placeholder has no such method: ``AttributeError`` at start-up), and ``worker.py:166-167``
   ``torch.cuda.Stream(priority=...)``;
-- ``worker.py:279-280`` ``torch.Event()`` recorded on ``torch.cuda.current_stream()``
+- ``worker.py:286-287`` ``torch.Event()`` recorded on ``torch.cuda.current_stream()``
   before each store;
-- ``worker.py:367``  ``event.query()`` to poll copy completion;
-- ``worker.py:237`` ``DmaCopyBackend`` -> ``copy_backend.py`` -> ``cuda_mem_ops.py``
-  ``build_params`` / ``copy_blocks`` (``cuMemcpyBatchAsync`` on a background thread).
+- ``worker.py:352/357/367`` ``event.synchronize()`` / ``event.query()`` on the copy events;
+- ``worker.py:237`` ``DmaCopyBackend()`` -> ``copy_backend.py:50-59`` ``build_params`` and
+  ``copy_backend.py:127`` ``copy_blocks`` (``cuda_mem_ops.py``: ``cuMemcpyBatchAsync``
+  found through ``cuGetProcAddress`` at line 125), run on a background thread.
 
 What this changes, in the ``worker`` module only (never the global ``torch``): its
 ``torch`` name sees a stand-in ``cuda.Stream`` / ``cuda.current_stream`` / ``Event``, and
