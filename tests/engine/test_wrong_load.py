@@ -40,7 +40,10 @@ def wrong_mamba_state(llm):
     standin.LOAD_FAULT = first_layer_reads_second_layers_state
     yield
     standin.LOAD_FAULT = None
-    # The wrong state now sits in the GPU prefix cache: keep it from any later test.
+    # The wrong state now sits in the GPU prefix cache: keep it from any later test. A
+    # one-token request first lets the engine step once more and finish the faulty
+    # run's CPU stores (reset_prefix_cache() refuses while their blocks are pinned).
+    generate(llm, [7] * 16, cache_salt="wrong-load-drain", max_tokens=1)
     assert llm.reset_prefix_cache()
 
 
