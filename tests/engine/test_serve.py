@@ -103,9 +103,13 @@ class Server:
 def server(model_dir):
     """The running server; on teardown it is stopped by PID and no process of it may remain."""
     port = free_port()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     log_dir = Path(tempfile.mkdtemp(prefix="hybrid-kv-serve-"))
     log_path = log_dir / "server.log"
+    # TMPDIR: the file vLLM's multiprocess executor rendezvouses through (/tmp/vllm_dist_*)
+    # outlives a stopped server; here it goes with the log dir.
+    env = dict(
+        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TMPDIR=str(log_dir)
+    )
     started = time.monotonic()
     seen: list[psutil.Process] = []
     alive: list[psutil.Process] = []
