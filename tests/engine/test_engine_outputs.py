@@ -1,4 +1,4 @@
-"""Test 1: greedy outputs and logprobs of cached runs equal uncached ones, on the real engine; hits as the simulator predicts.
+"""Test 1: greedy outputs and logprobs of cached runs equal uncached ones on the real engine; hits checked against the simulator.
 
 Per prompt, in order: a cold run, a GPU prefix-cache hit, a CPU-tier hit after
 ``reset_prefix_cache()``, and a continuation (the prompt plus 24 new tokens, again
