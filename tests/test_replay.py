@@ -203,7 +203,7 @@ def test_replay_command_json_and_table(adapter, tmp_path, capsys):
 
 
 def test_replay_command_rejects_bad_input(tmp_path, capsys):
-    from hybrid_kv_plugin.cli.main import main
+    from hybrid_kv_plugin.cli.main import console_main, main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": []}\n')
@@ -216,7 +216,7 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys):
     import sys
 
-    from hybrid_kv_plugin.cli.main import main
+    from hybrid_kv_plugin.cli.main import console_main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it looks like
     assert console_main(["replay", "--plot", str(tmp_path / "reuse.png")]) == 2
