@@ -125,8 +125,8 @@ def test_bad_input_is_one_line_and_exit_2_without_vllm(tmp_path, argv, message):
     """Run in a fresh interpreter: the refusal must come before vLLM is imported."""
     code = (
         "import sys\n"
-        "from hybrid_kv_plugin.cli.main import main\n"
-        f"rc = main({argv(tmp_path)!r})\n"
+        "from hybrid_kv_plugin.cli.main import console_main\n"
+        f"rc = console_main({argv(tmp_path)!r})\n"
         "sys.stderr.write('vllm imported: %s\\n' % ('vllm' in sys.modules))\n"
         "sys.exit(rc)\n"
     )

@@ -143,12 +143,13 @@ def _register_locked() -> None:
     STATE.registered_connector = _register_connector()
     log_once(
         logging.INFO,
-        "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches)",
+        "hybrid-kv-plugin: active on %s (%s, %s process, %d of %d patches: %s)",
         decision.reason,
         adapter.name,
         role.value,
         len(patch_set.specs),
         len(decision.specs),
+        ", ".join(spec.name for spec in patch_set.specs) or "none",
     )
 
 

