@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from hybrid_kv_plugin.adapters import Feature, Support
+from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 from hybrid_kv_plugin.sim import HybridGeometry
