@@ -161,6 +161,52 @@ def test_patch_set_is_all_or_nothing(no_plugin, adapter):
         assert inspect.getattr_static(owner, attr) is original
 
 
+def test_patches_of_one_target_stack_in_order_and_unwind_in_reverse(no_plugin, adapter):
+    """A later patch of a target wraps the earlier one; a failure part-way rolls every patch back."""
+    import dataclasses
+    import functools
+
+    from hybrid_kv_plugin.patching import PATCH_MARKER
+
+    good = patch_specs(adapter)
+    init = next(spec for spec in good if spec.name == "scheduler_plugin_config")
+    owners = [(owner, attr, original) for _, owner, attr, original in _resolved(adapter)]
+    stock_init = next(original for owner, attr, original in owners if attr == "__init__")
+
+    def passthrough(original):
+        return functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
+
+    outer = dataclasses.replace(init, name="outer_init", build=passthrough)
+    patch_set = PatchSet([*good, outer])
+    patch_set.install()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    installed = inspect.getattr_static(Scheduler, "__init__")
+    assert getattr(installed, PATCH_MARKER) == "outer_init"
+    assert getattr(installed.__wrapped__, PATCH_MARKER) == "scheduler_plugin_config"
+    assert installed.__wrapped__.__wrapped__ is stock_init
+    # 0.29: the tail split wraps the junction split of the same method.
+    split = inspect.getattr_static(Scheduler, "_mamba_block_aligned_split")
+    wrappers = []
+    while is_patched(split):
+        wrappers.append(getattr(split, PATCH_MARKER))
+        split = split.__wrapped__
+    expected = [name for name in ("prompt_tail_split", "junction_split") if name in {s.name for s in good}]
+    assert wrappers == expected
+    patch_set.uninstall()
+    for owner, attr, original in owners:
+        assert inspect.getattr_static(owner, attr) is original
+
+    def fails(original):
+        raise RuntimeError("replacement cannot be built")
+
+    broken = PatchSet([*good, dataclasses.replace(outer, build=fails)])
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        broken.install()
+    for owner, attr, original in owners:
+        assert inspect.getattr_static(owner, attr) is original
+
+
 def test_disable_env_keeps_vllm_stock(no_plugin, monkeypatch, plugin_log, adapter):
     monkeypatch.setenv("HYBRID_KV_PLUGIN_DISABLE", "1")
     originals = [(owner, attr, original) for _, owner, attr, original in _resolved(adapter)]
