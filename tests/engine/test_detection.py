@@ -21,7 +21,7 @@ def test_the_distribution_is_not_named_vllm():
 def test_detection_finds_the_cpu_build():
     assert installed_vllm().raw == "0.32.0"
     selection = select_adapter()
-    assert type(selection.adapter).__name__ == "Vllm031Adapter"
+    assert type(selection.adapter).__name__ == "Vllm032Adapter"
     assert selection.reason == "vLLM 0.32.0 via package metadata"
 
 
@@ -35,5 +35,5 @@ def test_doctor_shows_the_0_31_to_0_32_adapter():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].endswith("on vLLM 0.32.0")
-    assert lines[1] == "adapter: vllm 0.31-0.32 adapter"
+    assert lines[1] == "adapter: vllm 0.32 adapter"
     assert lines[2].startswith("status:  active (")

@@ -42,7 +42,10 @@ START_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 60
 EXPECTED_SAVE_OUTCOMES = {"stored": 6, "skipped_already_cached": 6}
 # Process name as vLLM prefixes its log lines -> the patches that process installed.
-EXPECTED_ACTIVE_LINES = {"EngineCore": "scheduler_plugin_config, async_load_liveness", "VllmWorker-0": "none"}
+EXPECTED_ACTIVE_LINES = {
+    "EngineCore": "scheduler_plugin_config, prompt_tail_split, prompt_tail_manager, async_load_liveness",
+    "VllmWorker-0": "none",
+}
 
 
 def free_port() -> int:
