@@ -22,7 +22,7 @@ from hybrid_kv_plugin.sim.model_geometry import ServeLine, resolve
 from hybrid_kv_plugin.sim.mooncake import load_mooncake
 from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
 from hybrid_kv_plugin.adapters.detect import installed_vllm
-from helpers import KEEPS_EVERY_BLOCK
+from hybrid_kv_plugin.registration import current_adapter
 
 QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
 NEMOTRON_H = data_dir("nemotron-nano-9b-v2")
@@ -52,6 +52,9 @@ def qwen_settings():
 # Align mode trims each prefill chunk of the 8192-token budget to whole 544-token blocks (8160),
 # and a Mamba state is kept where a chunk ends: a hit can only end on a multiple of 8160.
 CHUNK = 8192 // 544 * 544
+# Measured: on this geometry 0.26.0 keeps the Mamba state of every whole block (hits reach the
+# ideal); 0.27.1 and later keep it only where a prefill chunk ends.
+WHOLE_BLOCK_STATES = installed_vllm().raw == "0.26.0"
 
 
 @pytest.mark.parametrize(
@@ -70,12 +73,14 @@ def test_long_prompt_replays_on_the_qwen3_next_geometry(qwen_settings, blocks, s
     assert result.refused is None
     prompt = blocks * 512
     ideal = shared * 512 // 544 * 544
-    # 0.26-0.27 keep the Mamba state of every whole block, so the whole ideal is reachable there.
-    reused = ideal if installed_vllm().raw in KEEPS_EVERY_BLOCK else shared * 512 // CHUNK * CHUNK
+    reused = ideal if WHOLE_BLOCK_STATES else shared * 512 // CHUNK * CHUNK
     assert result.prompt_tokens == 2 * prompt
     assert result.ideal_tokens == ideal
     assert (result.reused_gpu_tokens, result.reused_cpu_tokens) == (reused, 0)
-    assert result.loss["no_mamba_state"] == ideal - reused
+    # Stock 0.27-0.28 publish no hand-offs: the attribution counts lost whole Mamba blocks as
+    # dropped hand-offs there (see sim/attribution.py); everywhere else they have no state.
+    inferred = config == "stock" and not current_adapter().has_boundary_handoffs
+    assert result.loss["handoff_dropped" if inferred else "no_mamba_state"] == ideal - reused
     (seg,) = result.segments
     # Each arrives to an idle engine; its first token comes with its last prefill chunk. The
     # second takes one step more than its remaining chunks (measured on 0.29 and 0.33).
@@ -89,9 +94,9 @@ def test_sample_trace_replays_with_exact_hits(qwen_settings):
     plugin = replay(segments, qwen_settings, CONFIGS["plugin"])
     assert stock.prompt_tokens == plugin.prompt_tokens == 699_413
     assert stock.ideal_tokens == plugin.ideal_tokens == 28_832
-    # Stock and plugin reuse the same (the unit equals the 544-token block). 0.26-0.27 keep a Mamba
-    # state at every block, so the whole ideal comes from the GPU cache; later wheels only at chunk ends.
-    expected = (28_832, 0) if installed_vllm().raw in KEEPS_EVERY_BLOCK else (24_480, 0)
+    # Stock and plugin reuse the same (the unit equals the 544-token block). 0.26 keeps a Mamba state
+    # at every block, so the whole ideal comes from the GPU cache; later wheels only at chunk ends.
+    expected = (28_832, 0) if WHOLE_BLOCK_STATES else (24_480, 0)
     assert (stock.reused_gpu_tokens, stock.reused_cpu_tokens) == expected
     assert (plugin.reused_gpu_tokens, plugin.reused_cpu_tokens) == expected
 
