@@ -86,11 +86,17 @@ PLANNED_BY_WHEEL = {
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
         "boundary_handoff_publish",
     ],
-    "0.29.0": ["scheduler_plugin_config", "junction_coordinator", "junction_split", "async_load_liveness"],
-    "0.30.0": ["scheduler_plugin_config", "async_load_liveness"],
-    "0.31.0": ["scheduler_plugin_config", "async_load_liveness"],
-    "0.32.0": ["scheduler_plugin_config", "async_load_liveness"],
-    "0.33.0": ["scheduler_plugin_config", "offload_has_connector", "async_load_liveness"],
+    "0.29.0": [
+        "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",
+        "prompt_tail_manager", "async_load_liveness",
+    ],
+    "0.30.0": ["scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "async_load_liveness"],
+    "0.31.0": ["scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "async_load_liveness"],
+    "0.32.0": ["scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "async_load_liveness"],
+    "0.33.0": [
+        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "offload_has_connector",
+        "async_load_liveness",
+    ],
 }
 
 
