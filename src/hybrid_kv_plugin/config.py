@@ -53,6 +53,12 @@ class PluginConfig(BaseModel):
         "boundary and the prompt's last one (exact replays and continuations hit; one extra "
         "prefill chunk and Mamba block per request). See hybrid_kv_plugin.prompt_tail.",
     )
+    mamba_output_checkpoint: bool = Field(
+        default=False,
+        description="Keep the Mamba state at the last prefix-match-unit boundary of each answer (align "
+        "mode, vLLM 0.29+), so a conversation's next turn reuses the previous answer; at most one extra "
+        "Mamba block per running request. See hybrid_kv_plugin.output_checkpoint.",
+    )
 
 
 class ConnectorOptions(BaseModel):
@@ -169,6 +175,16 @@ def check_prompt_tail_supported(value: str, supported: bool, vllm_version: str) 
     raise PluginConfigError(
         f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.prompt_tail_checkpoint: {value!r} "
         f"needs vLLM >= 0.29.0 and this is vLLM {vllm_version} (allowed here: native)"
+    )
+
+
+def check_output_checkpoint_supported(value: bool, supported: bool, vllm_version: str) -> None:
+    """``mamba_output_checkpoint`` on a wheel whose Mamba manager cannot keep a running request's state stops start-up."""
+    if not value or supported:
+        return
+    raise PluginConfigError(
+        f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.mamba_output_checkpoint: true "
+        f"needs vLLM >= 0.29.0 and this is vLLM {vllm_version} (allowed here: false)"
     )
 
 

@@ -25,3 +25,7 @@ class Vllm029Adapter(Vllm028Adapter):
     # wheel writes the Mamba state at every chunk end and keeps partial tails by copy-on-write,
     # so scheduler-side patches suffice.
     prompt_tail_checkpoint_supported = True
+    # mamba_output_checkpoint (patches output_checkpoint_bind, output_checkpoint_manager): the
+    # manager moves a running request's partial key to a copy-on-write block before the next
+    # forward pass, so the answer's last unit state can be kept from the scheduler side.
+    output_checkpoint_supported = True

@@ -32,6 +32,8 @@ from hybrid_kv_plugin.patches import (
     nixl_save_meta,
     nixl_worker_pairing,
     offload_has_connector,
+    output_checkpoint_bind,
+    output_checkpoint_manager,
     prompt_tail_manager,
     prompt_tail_split,
     scheduler_plugin_config,
@@ -47,7 +49,8 @@ if TYPE_CHECKING:
 # Install order: the plugin's own config first (it validates the switches the others read);
 # the Mamba managers record boundary hand-offs before the scheduler publishes them.
 # Patches of one target install in this order, each wrapping the one before (0.29:
-# prompt_tail_split wraps junction_split), and uninstall in reverse.
+# prompt_tail_split wraps junction_split; output_checkpoint_bind wraps scheduler_plugin_config,
+# output_checkpoint_manager wraps prompt_tail_manager), and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -60,6 +63,8 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     truncate_mamba_lookup,
     prompt_tail_split,
     prompt_tail_manager,
+    output_checkpoint_bind,
+    output_checkpoint_manager,
     offload_has_connector,
     async_load_liveness,
 )

@@ -9,7 +9,7 @@ What it changes: before the stock constructor runs (and so before the
 KVCacheManager and its Mamba managers exist), it validates the section
 (:class:`hybrid_kv_plugin.config.PluginConfig`; an invalid key or value, the
 junction switch on an engine without EAGLE, or a non-native
-``prompt_tail_checkpoint`` on a wheel older than 0.29, stops start-up with a message naming
+``prompt_tail_checkpoint`` or ``mamba_output_checkpoint`` on a wheel older than 0.29, stops start-up with a message naming
 it), maps switches onto the wheel's native
 ``CacheConfig`` fields through the adapter, and exposes the validated config as
 ``scheduler.hybrid_kv_config``. ``AsyncScheduler`` inherits the patched constructor.
@@ -25,7 +25,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
-from hybrid_kv_plugin.config import check_prompt_tail_supported, check_switch_needs_eagle, plugin_config_from
+from hybrid_kv_plugin.config import (
+    check_output_checkpoint_supported,
+    check_prompt_tail_supported,
+    check_switch_needs_eagle,
+    plugin_config_from,
+)
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
@@ -67,6 +72,9 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
                 adapter.native_junction_flag,
                 adapter.version,
             )
+        check_output_checkpoint_supported(
+            plugin_config.mamba_output_checkpoint, adapter.output_checkpoint_supported, adapter.version
+        )
         adapter.apply_native_flags(vllm_config, plugin_config)
         self.hybrid_kv_config = plugin_config
         original(self, vllm_config, *args, **kwargs)

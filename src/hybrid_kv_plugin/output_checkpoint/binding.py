@@ -1,0 +1,61 @@
+"""One :class:`OutputCheckpoint` per scheduler, handed to its ``align`` Mamba managers.
+
+Bound once the stock scheduler constructor has built the managers; managers never
+bound (option off, a connector's CPU-side coordinator) keep the wheel's behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin._log import log_once
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+MANAGER_ATTR = "hybrid_kv_output_checkpoint"
+
+
+@dataclass(frozen=True)
+class OutputCheckpoint:
+    """``hash_block_size``: the prefix-match unit. ``eagle_drop``: the lookup drops the last
+    matched unit (EAGLE block drop), so the state one unit below the last boundary is kept too."""
+
+    hash_block_size: int
+    eagle_drop: bool = False
+
+    def keep_from(self, boundary: int) -> int:
+        """Kept output states below this position are stale once ``boundary`` is computed."""
+        return boundary - (self.hash_block_size if self.eagle_drop else 0)
+
+    @property
+    def max_states(self) -> int:
+        """Extra Mamba blocks one running request can hold for its answer."""
+        return 2 if self.eagle_drop else 1
+
+
+def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
+    """Bind the scheduler's option to its ``align`` Mamba managers; None when it stays off."""
+    config = getattr(scheduler, "hybrid_kv_config", None)
+    if not getattr(config, "mamba_output_checkpoint", False):
+        return None
+    coordinator = scheduler.kv_cache_manager.coordinator
+    if not getattr(coordinator, "enable_partial_hash_hits", False):
+        # Without partial hash hits every reachable state is a Mamba block end, which the
+        # wheel keeps itself during decode.
+        log_once(
+            logging.INFO,
+            "hybrid-kv-plugin: mamba_output_checkpoint is inactive here: partial hash hits are "
+            "disabled (prefix-match unit not finer than the Mamba block)",
+        )
+        return None
+    checkpoint = OutputCheckpoint(
+        hash_block_size=scheduler.hash_block_size,
+        eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr, False)),
+    )
+    for manager in coordinator.single_type_managers:
+        if getattr(manager, "mamba_cache_mode", None) == "align":
+            setattr(manager, MANAGER_ATTR, checkpoint)
+    return checkpoint

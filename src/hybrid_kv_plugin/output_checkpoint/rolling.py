@@ -1,0 +1,89 @@
+"""What a decode step ending on a prefix-match-unit boundary does to its request's kept answer states.
+
+The state after ``p`` tokens sits in the running state block only until the next
+forward pass; :func:`~hybrid_kv_plugin.prompt_tail.state.keep_partial_state`
+keeps it the way the wheel keeps its own prompt tail (partial key, copy-on-write
+into a fresh block at the next allocation, boundary hand-off to a connector).
+Each newer boundary makes the older kept states of the same request stale (a
+later turn's hit lands on the newest one), so they leave the prefix cache: a
+running request holds at most :attr:`OutputCheckpoint.max_states` of them, and a
+finished one leaves its last in the GPU prefix cache (evictable).
+
+The records live on the request, per KV-cache group, so they end with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_kv_plugin.output_checkpoint.binding import OutputCheckpoint
+from hybrid_kv_plugin.prompt_tail.state import keep_partial_state
+
+REQUEST_ATTR = "hybrid_kv_output_states"
+
+
+@dataclass
+class KeptState:
+    """``holder``: the running block the state is in until the copy-on-write;
+    ``copy``: the block the copy-on-write filled (where the prefix-cache key then lives)."""
+
+    position: int
+    key: Any
+    holder: Any
+    copy: Any = None
+
+
+def kept_states(request: Any, group_id: int) -> list[KeptState]:
+    return request.__dict__.setdefault(REQUEST_ATTR, {}).setdefault(group_id, [])
+
+
+def note_copies(manager: Any, request: Any) -> None:
+    """Record where the copy-on-write put each kept state (run on every decode step's caching).
+
+    The copy is queued by the allocation that precedes the same step's caching, and
+    drained when that step's schedule ends, so each step looks once.
+    """
+    states = request.__dict__.get(REQUEST_ATTR, {}).get(manager.kv_cache_group_id)
+    for state in states or ():
+        if state.copy is None:
+            for source, copy in manager._pending_cow_copies:
+                if source is state.holder:
+                    state.copy = copy
+
+
+def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: OutputCheckpoint,
+                       producer_holds_block: bool) -> Any:
+    """``num_tokens`` (> prompt, a unit multiple) ends the step being cached: keep its state, drop stale ones."""
+    states = kept_states(request, manager.kv_cache_group_id)
+    floor = checkpoint.keep_from(num_tokens)
+    for stale in [s for s in states if s.position < floor]:
+        _drop(manager, request, stale)
+        states.remove(stale)
+    # Mamba block ends are full-block entries the wheel caches itself; a step that does
+    # not compute up to num_tokens (a resumed request's cached part) writes no state there.
+    if num_tokens % manager.block_size == 0 or request.num_computed_tokens >= num_tokens:
+        return None
+    blocks = manager.req_to_blocks[request.request_id]
+    index = num_tokens // manager.block_size
+    holder = blocks[index] if index < len(blocks) else None
+    key = keep_partial_state(manager, request, num_tokens, producer_holds_block)
+    if key is not None:
+        states.append(KeptState(num_tokens, key, holder))
+    return key
+
+
+def _drop(manager: Any, request: Any, state: KeptState) -> None:
+    pool = manager.block_pool
+    block = state.copy
+    if block is None:
+        # Not copied out yet: the key is still on the running block; forget the pending copy.
+        pending = manager._partial_hit_reqs.get(request.request_id)
+        if pending is None or pending[1] is not state.holder:
+            return
+        manager._partial_hit_reqs.pop(request.request_id, None)
+        manager._producer_partial_tail_reqs.pop(request.request_id, None)
+        block = state.holder
+    # The block may have been evicted and reused since: only remove it while it carries this key.
+    if block.block_hash == state.key or pool.cached_block_hash_to_block.contain(state.key, block.block_id):
+        pool.evict_blocks({block.block_id})

@@ -1,0 +1,83 @@
+"""Patch ``MambaManager._cache_partial_tail_block``: keep the Mamba state at each answer's last unit boundary.
+
+Why: in ``align`` mode the wheel caches, during decode, only Mamba block ends;
+a later turn that repeats the answer loses everything after the last one (vLLM
+issue #56972). ``mamba_output_checkpoint`` keeps the state at the newest
+prefix-match-unit boundary the decode has computed.
+
+What it changes: for a Mamba manager bound by ``output_checkpoint_bind``, when
+the tokens being cached (``cache_blocks`` runs at schedule time for what the step
+will compute) end past the prompt on a unit boundary that is not a Mamba block
+end, the state there is registered as the wheel registers its own partial prompt
+tail (:mod:`hybrid_kv_plugin.output_checkpoint.rolling`), and the request's older
+kept answer states leave the prefix cache (at most one is held per running
+request, two under EAGLE block drop, which also needs the state one unit lower).
+Every other call runs the wrapped method (the ``prompt_tail_manager`` patch, then
+the stock one) unchanged; unbound managers are untouched.
+
+Worker behaviour it relies on (0.29-0.33, ``vllm/v1/worker/mamba_utils.py`` and
+the GPU model runner): the runner writes a request's Mamba state after every
+forward pass into the block of its last computed token, and runs the scheduler's
+queued block copies (``kv_cache_block_copies`` of the scheduler output) before
+the next forward pass. So the state after a decode step ending at ``p`` is in
+block ``p // block_size`` until the next step, whose allocation queues the
+copy-on-write into a fresh block that keeps the key; the scheduler frees that
+copy's retention once the step ran. No worker patch is needed.
+
+Upstream: none (vLLM issue #56972, open); installed on 0.29.0-0.33.x. vLLM
+0.26-0.28 have a different Mamba manager (no copy-on-write of a running
+request's partial state): the option is refused there at start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR
+from hybrid_kv_plugin.output_checkpoint.rolling import at_output_boundary, note_copies
+from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager._cache_partial_tail_block"
+PARAMS = ("self", "request", "num_tokens")
+# What the rolling keep touches on the manager; the stock method touches them too.
+READS = frozenset(
+    {"block_pool", "block_size", "kv_cache_group_id", "req_to_blocks", "_partial_hit_reqs", "num_cached_block",
+     "_producer_partial_tail_reqs"}
+)
+INSTALLS = Installs(when=lambda adapter: adapter.output_checkpoint_supported, since="0.29.0")
+
+
+def spec(adapter: VllmAdapter) -> PatchSpec:
+    return PatchSpec(
+        name="output_checkpoint_manager",
+        target=TARGET,
+        fingerprint=ReadsFingerprint(params=PARAMS, self_reads=READS, at_least=True),
+        build=lambda original: _wrap(original, adapter),
+        why="keep the Mamba state at the last prefix-match-unit boundary of each answer",
+        upstream="none (vLLM issue #56972: decode-phase Mamba states are never stored)",
+    )
+
+
+def _wrap(original: Any, adapter: VllmAdapter) -> Any:
+    holds_block = adapter.mamba_partial_tail_producer_holds_block
+
+    @functools.wraps(original)
+    def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        key = original(self, request, num_tokens, *args, **kwargs)
+        checkpoint = self.__dict__.get(MANAGER_ATTR)
+        if checkpoint is None or num_tokens <= request.num_prompt_tokens:
+            return key
+        note_copies(self, request)
+        if (
+            key is not None
+            or num_tokens % checkpoint.hash_block_size
+            or adapter.mamba_exports_checkpoint(self, request.request_id)
+        ):
+            return key
+        return at_output_boundary(self, request, num_tokens, checkpoint, holds_block)
+
+    return _cache_partial_tail_block
