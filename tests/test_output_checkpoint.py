@@ -1,0 +1,146 @@
+"""mamba_output_checkpoint with the real scheduler on every wheel: turn 2 reuses turn 1's answer.
+
+Request A (prompt 320, 40 output tokens: 359 tokens computed, the last sampled one
+is never fed back), then B = A's prompt + A's answer + 20 new tokens. Geometry:
+FA 16 + Mamba 64 ``align``, prefix-match unit 16. B's hit comes from the CPU tier
+(HybridSimpleCPUConnector, GPU prefix cache evicted) or from the GPU prefix cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hybrid_kv_plugin
+from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.sim import HybridGeometry
+from hybrid_kv_plugin.sim.output_checkpoint_scenarios import TurnMeasurement, turn_engine, two_turns
+from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
+
+from helpers import tokens
+
+PROMPT, OUTPUT = 320, 40
+NEW_WHEELS = ("0.32.0", "0.33.0")
+
+
+def _turns(adapter, enabled, **kwargs) -> TurnMeasurement:
+    return two_turns(adapter, enabled, tokens(PROMPT), OUTPUT, **kwargs)
+
+
+def _needs_supported(adapter):
+    if not adapter.output_checkpoint_supported:
+        pytest.skip(f"vLLM {adapter.version}: mamba_output_checkpoint needs 0.29+ (start-up refusal tested below)")
+
+
+def _stock_steps(adapter) -> int:
+    # 0.32+ ends the prefill one unit below the prompt end (an extra prompt-tail chunk).
+    return 42 if adapter.version in NEW_WHEELS else 41
+
+
+def test_cpu_tier_serves_the_previous_answer(plugin, adapter):
+    _needs_supported(adapter)
+    on = _turns(adapter, True, reset_gpu=True)
+    # The last unit boundary of the 359 computed tokens; all of it loaded from the CPU tier.
+    assert (on.hit, on.external) == (352, 352)
+    for off in (_turns(adapter, False, reset_gpu=True), _turns(adapter, None, reset_gpu=True)):
+        assert (off.hit, off.external) == (320, 320)
+
+
+def test_gpu_prefix_cache_serves_the_previous_answer(plugin, adapter):
+    _needs_supported(adapter)
+    assert _turns(adapter, True, reset_gpu=False, connector=False).hit == 352
+    assert _turns(adapter, False, reset_gpu=False, connector=False).hit == 320
+    # With the connector the wheel reports the full-attention-aligned local hit (320) and
+    # the connector loads the rest (32 tokens: the kept state and two attention blocks).
+    with_connector = _turns(adapter, True, reset_gpu=False)
+    assert (with_connector.hit, with_connector.external) == (352, 32)
+
+
+def test_cost_one_state_per_running_request_no_extra_step(plugin, adapter):
+    _needs_supported(adapter)
+    on, off = _turns(adapter, True, reset_gpu=True), _turns(adapter, False, reset_gpu=True)
+    assert (on.steps, off.steps) == (_stock_steps(adapter), _stock_steps(adapter))
+    assert (on.max_answer_states, on.answer_states_left) == (1, 1)
+    assert (off.max_answer_states, off.answer_states_left) == (0, 0)
+    # The connector stores each kept answer state once (336, then 352): two more Mamba stores.
+    assert on.mamba_stored - off.mamba_stored == 2
+
+
+def test_answer_crossing_a_mamba_block_end(plugin, adapter):
+    """100 output tokens: 419 computed; the wheel itself keeps 384 (a block end), the option 416."""
+    _needs_supported(adapter)
+    on = two_turns(adapter, True, tokens(PROMPT), 100, reset_gpu=True)
+    off = two_turns(adapter, False, tokens(PROMPT), 100, reset_gpu=True)
+    assert (on.hit, off.hit) == (416, 384)
+    assert (on.max_answer_states, on.answer_states_left, on.steps - off.steps) == (1, 1, 0)
+    # 336, 352, 368, 400, 416 kept (and stored) in turn; 384 is the wheel's own.
+    assert on.mamba_stored - off.mamba_stored == 5
+
+
+def test_chunked_prefill(plugin, adapter):
+    _needs_supported(adapter)
+    geometry = HybridGeometry(max_num_batched_tokens=128)
+    on = _turns(adapter, True, reset_gpu=True, geometry=geometry)
+    off = _turns(adapter, False, reset_gpu=True, geometry=geometry)
+    assert (on.hit, off.hit, on.steps - off.steps, on.max_answer_states) == (352, 320, 0, 1)
+
+
+def test_eagle_block_drop_keeps_one_unit_lower(plugin, adapter):
+    """The drafter drops the last matched unit (as for the prompt tail): B lands on 336, which
+    the option keeps next to 352 - two answer states per running request under EAGLE."""
+    _needs_supported(adapter)
+    geometry = HybridGeometry(eagle=True, extra_speculative_config=eagle_block_drop_options(adapter))
+    on = _turns(adapter, True, reset_gpu=True, geometry=geometry)
+    off = _turns(adapter, False, reset_gpu=True, geometry=geometry)
+    assert (on.hit, on.external, off.hit) == (336, 336, 320)
+    assert (on.max_answer_states, on.answer_states_left, on.steps - off.steps) == (2, 2, 0)
+    assert _turns(adapter, True, reset_gpu=False, geometry=geometry, connector=False).hit == 336
+
+
+def test_option_off_is_stock(adapter):
+    """false: the same steps, GPU hits and kept states as the wheel without the plugin
+    (the plugin's connector needs the plugin; its CPU-tier row is asserted above)."""
+
+    def measure(enabled):
+        return [
+            two_turns(adapter, enabled, tokens(PROMPT), output, reset_gpu=False, connector=False)
+            for output in (OUTPUT, 100)
+        ]
+
+    hybrid_kv_plugin.uninstall()
+    stock = measure(None)
+    assert [m.hit for m in stock] == [320, 384]
+    hybrid_kv_plugin.register()
+    try:
+        assert measure(False) == stock
+    finally:
+        hybrid_kv_plugin.uninstall()
+
+
+def test_bad_values_stop_start_up(plugin, adapter):
+    for bad in ("true", 1, 0, "on"):
+        with pytest.raises(PluginConfigError) as refused:
+            turn_engine(adapter, bad)
+        assert str(refused.value) == (
+            "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_output_checkpoint: Input should be "
+            f"a valid boolean (got {bad!r}; allowed: true or false)"
+        )
+
+
+def test_old_wheels_refuse_the_option(plugin, adapter):
+    if adapter.output_checkpoint_supported:
+        from hybrid_kv_plugin.output_checkpoint import MANAGER_ATTR
+
+        run = turn_engine(adapter, True)
+        managers = run.engine.scheduler.kv_cache_manager.coordinator.single_type_managers
+        bound = [getattr(m, MANAGER_ATTR, None) for m in managers]
+        assert [b is not None for b in bound] == [False, True]
+        assert (bound[1].hash_block_size, bound[1].max_states) == (16, 1)
+        return
+    with pytest.raises(PluginConfigError) as refused:
+        turn_engine(adapter, True)
+    assert str(refused.value) == (
+        "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_output_checkpoint: true needs "
+        f"vLLM >= 0.29.0 and this is vLLM {adapter.version} (allowed here: false)"
+    )
+    # false is accepted there (stock behaviour).
+    assert _turns(adapter, False, reset_gpu=True).hit == (_turns(adapter, None, reset_gpu=True).hit)
