@@ -41,7 +41,9 @@ _COMMON = dict(derandomize=True, database=None, deadline=None, print_blob=False,
 settings.register_profile("reliability-ci", max_examples=10, stateful_step_count=25, **_COMMON)
 settings.register_profile("reliability-long", max_examples=200, stateful_step_count=60, **_COMMON)
 PROFILE = os.environ.get("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci")
-VARIANTS = ("stock", "plugin", "plugin-lazy", "plugin-full-attention", "plugin-tail-both")
+VARIANTS = (
+    "stock", "plugin", "plugin-lazy", "plugin-full-attention", "plugin-tail-both", "plugin-output-checkpoint",
+)
 
 
 @dataclass
@@ -144,7 +146,7 @@ class FaultMachine(RuleBasedStateMachine):
 def test_randomized_faults_keep_invariants(plugin, adapter, summary, name):
     variant = next((v for v in variants(adapter) if v.name == name), None)
     if variant is None:
-        pytest.skip(f"vLLM {adapter.version} offers no variant {name!r} (prompt_tail_checkpoint needs 0.29+)")
+        pytest.skip(f"vLLM {adapter.version} offers no variant {name!r} (prompt_tail_checkpoint and mamba_output_checkpoint need 0.29+)")
     tally = summary.tallies.setdefault(name, Tally())
     machine = type(f"FaultMachine[{name}]", (FaultMachine,), {"adapter": adapter, "variant": variant, "tally": tally})
     profile = settings.get_profile(PROFILE)

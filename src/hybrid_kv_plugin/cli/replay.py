@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-CONFIG_NAMES = ("stock", "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both")
+CONFIG_NAMES = (
+    "stock", "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both", "plugin+output-checkpoint",
+)
 COLD_REPLAY_CONFIGS = ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
 
 
@@ -136,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         default=None,
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)}; plugin+junction is the plugin with the "
-        "mamba_shared_prefix_checkpoint switch on, plugin+tail-X the plugin with prompt_tail_checkpoint X "
+        "mamba_shared_prefix_checkpoint switch on, plugin+tail-X the plugin with prompt_tail_checkpoint X, "
+        "plugin+output-checkpoint the plugin with mamba_output_checkpoint on "
         "(default: stock,plugin, plus plugin+junction when a segment runs EAGLE; with --cold-replay: "
         f"{','.join(COLD_REPLAY_CONFIGS)})",
     )

@@ -38,6 +38,7 @@ class ReplayConfig:
     plugin: bool
     mamba_shared_prefix_checkpoint: bool = False
     prompt_tail_checkpoint: str = "native"
+    mamba_output_checkpoint: bool = False
 
     @property
     def connector(self) -> str:
@@ -50,6 +51,7 @@ CONFIGS = {
     "plugin+junction": ReplayConfig("plugin+junction", plugin=True, mamba_shared_prefix_checkpoint=True),
     "plugin+tail-replay": ReplayConfig("plugin+tail-replay", plugin=True, prompt_tail_checkpoint="replay"),
     "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
+    "plugin+output-checkpoint": ReplayConfig("plugin+output-checkpoint", plugin=True, mamba_output_checkpoint=True),
 }
 
 
@@ -350,6 +352,8 @@ class _SegmentRun:
         options: dict[str, Any] = {"mamba_shared_prefix_checkpoint": True} if switch else {}
         if config.prompt_tail_checkpoint != "native":
             options["prompt_tail_checkpoint"] = config.prompt_tail_checkpoint
+        if config.mamba_output_checkpoint:
+            options["mamba_output_checkpoint"] = True
         additional = {"hybrid_kv": options} if options else None
         # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
         # as cpu_bytes // page bytes for this single-tensor layout).

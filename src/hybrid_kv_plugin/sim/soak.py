@@ -52,6 +52,8 @@ class Variant:
     full_attention_only: bool = False
     # additional_config["hybrid_kv"] entries of this variant's engines.
     plugin_options: tuple[tuple[str, Any], ...] = ()
+    # Multiplies every request's max_tokens (answers that cross several prefix-match units).
+    output_scale: int = 1
 
     def describe(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.extra)
@@ -77,6 +79,12 @@ def variants(adapter: Any) -> list[Variant]:
         *(
             [Variant("plugin-tail-both", CONNECTOR_NAME, opt_out, plugin_options=(("prompt_tail_checkpoint", "both"),))]
             if adapter.prompt_tail_checkpoint_supported
+            else []
+        ),
+        *(
+            [Variant("plugin-output-checkpoint", CONNECTOR_NAME, opt_out,
+                     plugin_options=(("mamba_output_checkpoint", True),), output_scale=4)]
+            if adapter.output_checkpoint_supported
             else []
         ),
     ]
@@ -209,7 +217,8 @@ class FaultHarness:
     def add(self, family: int, prefix_units: int, variant: int, own_tokens: int, max_tokens: int) -> str:
         req_id = f"q{self._ids}"
         self._ids += 1
-        self.engine.add_request(req_id, self.prompt(family, prefix_units, variant, own_tokens), max_tokens=max_tokens)
+        prompt = self.prompt(family, prefix_units, variant, own_tokens)
+        self.engine.add_request(req_id, prompt, max_tokens=max_tokens * self.variant.output_scale)
         self.counts.requests += 1
         return req_id
 
