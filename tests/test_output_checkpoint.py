@@ -76,6 +76,15 @@ def test_answer_crossing_a_mamba_block_end(plugin, adapter):
     assert on.mamba_stored - off.mamba_stored == 5
 
 
+def test_answer_ending_on_a_unit_boundary(plugin, adapter):
+    """33 output tokens: the last step computes up to 352 exactly; no later allocation copies
+    that state out, so the running block itself is handed to the connector (CPU hit 352, not 336)."""
+    _needs_supported(adapter)
+    on = two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=True)
+    assert (on.hit, on.external, on.max_answer_states, on.answer_states_left) == (352, 352, 1, 1)
+    assert two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=False, connector=False).hit == 352
+
+
 def test_chunked_prefill(plugin, adapter):
     _needs_supported(adapter)
     geometry = HybridGeometry(max_num_batched_tokens=128)

@@ -70,7 +70,21 @@ def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: 
     key = keep_partial_state(manager, request, num_tokens, producer_holds_block)
     if key is not None:
         states.append(KeptState(num_tokens, key, holder))
+        if request.num_output_tokens + 1 >= request.max_tokens:
+            _hand_off_last_step(manager, request, holder, num_tokens)
     return key
+
+
+def _hand_off_last_step(manager: Any, request: Any, holder: Any, num_tokens: int) -> None:
+    """The request's last step (its length limit): no later allocation copies the state out.
+
+    This step's forward is the last to write ``holder``, and the connector stores a
+    hand-off after that forward (as it does for the Mamba block ends the wheel offers
+    during decode), pinning the block until the copy is done; so the running block
+    itself is handed over, the way the copy-on-write block would have been.
+    """
+    manager._producer_partial_tail_reqs.pop(request.request_id, None)
+    manager._pending_boundary_state_offloads.append((request.request_id, manager.kv_cache_group_id, holder, num_tokens))
 
 
 def _drop(manager: Any, request: Any, state: KeptState) -> None:
