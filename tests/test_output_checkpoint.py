@@ -8,13 +8,17 @@ FA 16 + Mamba 64 ``align``, prefix-match unit 16. B's hit comes from the CPU tie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import hybrid_kv_plugin
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry
 from hybrid_kv_plugin.sim.output_checkpoint_scenarios import TurnMeasurement, turn_engine, two_turns
+from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
+from hybrid_kv_plugin.sim.workload import default_workload, load_trace
 
 from helpers import tokens
 
@@ -153,3 +157,43 @@ def test_old_wheels_refuse_the_option(plugin, adapter):
     )
     # false is accepted there (stock behaviour).
     assert _turns(adapter, False, reset_gpu=True).hit == (_turns(adapter, None, reset_gpu=True).hit)
+
+
+# ---------------------------------------------------------------------------- hybrid-kv replay
+TRACE = Path(__file__).resolve().parents[1] / "examples" / "five_turn_conversation.jsonl"
+OLD_WHEELS = ("0.29.0", "0.30.0", "0.31.0")
+# The embedded default: (plugin, plugin+output-checkpoint) efficiency, then the option's
+# "no Mamba state" loss (plus 192 EAGLE prune). Its answers are short: 32 tokens move.
+DEFAULT_REPLAY = {
+    **{v: (0.7505, 0.7546, 1728) for v in OLD_WHEELS},
+    **{v: (0.7485, 0.7526, 1744) for v in NEW_WHEELS},
+}
+
+
+def test_replay_default_workload(adapter):
+    _needs_supported(adapter)
+    plugin = replay(default_workload(), ReplaySettings(), CONFIGS["plugin"])
+    checkpoint = replay(default_workload(), ReplaySettings(), CONFIGS["plugin+output-checkpoint"])
+    plugin_efficiency, efficiency, no_state = DEFAULT_REPLAY[adapter.version]
+    assert (round(plugin.efficiency, 4), round(checkpoint.efficiency, 4)) == (plugin_efficiency, efficiency)
+    assert {k: v for k, v in checkpoint.loss.items() if v} == {"no_mamba_state": no_state, "eagle_prune": 192}
+    assert plugin.loss["no_mamba_state"] - no_state == 32
+
+
+def test_replay_five_turn_conversation(adapter):
+    """4 conversations x 5 turns (answers 45-210 tokens, GPU cache evicted before turns 3 and 5):
+    every previous answer is reused but 16 tokens, one answer whose prompt + answer ends on a
+    unit boundary (its last token is never computed, so its state is one unit lower)."""
+    _needs_supported(adapter)
+    segments = load_trace(TRACE.read_text().splitlines())
+    results = {name: replay(segments, ReplaySettings(), CONFIGS[name])
+               for name in ("stock", "plugin", "plugin+output-checkpoint")}
+    assert {n: round(r.efficiency, 4) for n, r in results.items()} == {
+        "stock": 0.9684, "plugin": 0.9684, "plugin+output-checkpoint": 0.9984,
+    }
+    assert {n: r.ideal_tokens - r.reused_tokens for n, r in results.items()} == {
+        "stock": 320, "plugin": 320, "plugin+output-checkpoint": 16,
+    }
+    for result in results.values():
+        lost = result.ideal_tokens - result.reused_tokens
+        assert {k: v for k, v in result.loss.items() if v} == {"no_mamba_state": lost}
