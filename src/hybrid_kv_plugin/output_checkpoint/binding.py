@@ -7,6 +7,7 @@ bound (option off, a connector's CPU-side coordinator) keep the wheel's behaviou
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,15 +21,18 @@ MANAGER_ATTR = "hybrid_kv_output_checkpoint"
 
 @dataclass(frozen=True)
 class OutputCheckpoint:
-    """``hash_block_size``: the prefix-match unit. ``eagle_drop``: the lookup drops the last
-    matched unit (EAGLE block drop), so the state one unit below the last boundary is kept too."""
+    """``hash_block_size``: the prefix-match unit; ``step``: the positions a hybrid hit can end at
+    inside an answer (multiples of the unit and of every attention block size: attention keys
+    inside an answer exist only at its block ends). ``eagle_drop``: the lookup drops the last
+    matched step (EAGLE block drop), so the state one step below the last boundary is kept too."""
 
     hash_block_size: int
+    step: int
     eagle_drop: bool = False
 
     def keep_from(self, boundary: int) -> int:
         """Kept output states below this position are stale once ``boundary`` is computed."""
-        return boundary - (self.hash_block_size if self.eagle_drop else 0)
+        return boundary - (self.step if self.eagle_drop else 0)
 
     @property
     def max_states(self) -> int:
@@ -51,8 +55,13 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
             "disabled (prefix-match unit not finer than the Mamba block)",
         )
         return None
+    step = scheduler.hash_block_size
+    for manager in coordinator.single_type_managers:
+        if getattr(manager, "mamba_cache_mode", None) is None:
+            step = math.lcm(step, manager.block_size)
     checkpoint = OutputCheckpoint(
         hash_block_size=scheduler.hash_block_size,
+        step=step,
         eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr, False)),
     )
     for manager in coordinator.single_type_managers:

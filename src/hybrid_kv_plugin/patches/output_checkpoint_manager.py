@@ -7,8 +7,8 @@ prefix-match-unit boundary the decode has computed.
 
 What it changes: for a Mamba manager bound by ``output_checkpoint_bind``, when
 the tokens being cached (``cache_blocks`` runs at schedule time for what the step
-will compute) end past the prompt on a unit boundary that is not a Mamba block
-end, the state there is registered as the wheel registers its own partial prompt
+will compute) end past the prompt on a unit boundary that attention can reach
+(a multiple of every attention block size) and that is not a Mamba block end, the state there is registered as the wheel registers its own partial prompt
 tail (:mod:`hybrid_kv_plugin.output_checkpoint.rolling`), and the request's older
 kept answer states leave the prefix cache (at most one is held per running
 request, two under EAGLE block drop, which also needs the state one unit lower).
@@ -74,7 +74,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         note_copies(self, request)
         if (
             key is not None
-            or num_tokens % checkpoint.hash_block_size
+            or num_tokens % checkpoint.step
             or adapter.mamba_exports_checkpoint(self, request.request_id)
         ):
             return key
