@@ -100,9 +100,9 @@ class VllmAdapter:
     native_prompt_tail_keeps_replay_position: ClassVar[bool] = False
     native_prompt_tail_eagle_shift: ClassVar[bool] = False
     mamba_partial_tail_producer_holds_block: ClassVar[bool] = False
-    # mamba_output_checkpoint (hybrid_kv_plugin.output_checkpoint): the Mamba manager can key a
-    # running request's partial state and copy it out before the next forward (0.29+);
-    # 0.26-0.28 have no copy-on-write for a running request, so the option is refused there.
+    # mamba_output_checkpoint (hybrid_kv_plugin.output_checkpoint): built on the wheel's own Mamba
+    # boundary hand-off channel (0.29+). 0.26-0.28 run the plugin's replacement channel
+    # (patch mamba_boundary_handoffs), which the feature does not cover yet: refused there.
     output_checkpoint_supported: ClassVar[bool] = False
 
     # Backports this plugin release ships; a feature missing from here is "unavailable".

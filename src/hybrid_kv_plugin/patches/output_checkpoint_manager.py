@@ -24,9 +24,10 @@ block ``p // block_size`` until the next step, whose allocation queues the
 copy-on-write into a fresh block that keeps the key; the scheduler frees that
 copy's retention once the step ran. No worker patch is needed.
 
-Upstream: none (vLLM issue #56972, open); installed on 0.29.0-0.33.x. vLLM
-0.26-0.28 have a different Mamba manager (no copy-on-write of a running
-request's partial state): the option is refused there at start-up.
+Upstream: none (vLLM issue #56972, open); installed on 0.29.0-0.33.x. On vLLM
+0.26-0.28 the Mamba boundary hand-offs come from the plugin's own channel
+(``mamba_boundary_handoffs``, different bookkeeping), not covered yet: the option
+is refused there at start-up.
 """
 
 from __future__ import annotations
