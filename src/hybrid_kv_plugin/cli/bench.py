@@ -62,14 +62,15 @@ def render_bench(report: dict, out: TextIO) -> None:
     w(f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per configuration\n")
     for case in report["cases"]:
         w(f"\n{case['name']} ({case['requests']} requests)\n")
-        w(f"  {'config':<10} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
+        width = max(10, *(len(name) for name in case["configs"]))
+        w(f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
         for name, entry in case["configs"].items():
             if "refused" in entry:
-                w(f"  {name:<10} refused: {entry['refused']}\n")
+                w(f"  {name:<{width}} refused: {entry['refused']}\n")
                 continue
             t = entry.get("step_cpu_us", {})
             w(
-                f"  {name:<10} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
+                f"  {name:<{width}} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
                 f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f}\n"
             )
         for key, ratio in case.items():
