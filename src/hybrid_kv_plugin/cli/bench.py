@@ -9,29 +9,38 @@ from typing import TextIO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybrid_kv_plugin.cli.replay import add_geometry_arguments
+    from hybrid_kv_plugin.cli.replay import CONFIG_NAMES, add_geometry_arguments
 
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (ABBA-interleaved)")
     parser.add_argument("--requests", type=int, default=2000, help="size of the large case (0: default case only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
+    parser.add_argument(
+        "--configs",
+        default="stock,plugin",
+        help=f"comma-separated, from {', '.join(CONFIG_NAMES)} (as in replay); the first is the baseline "
+        "of the ratios (default: stock,plugin)",
+    )
     add_geometry_arguments(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from hybrid_kv_plugin.cli.replay import Progress, settings_from
-    from hybrid_kv_plugin.sim.bench import BENCH_CONFIGS, BenchCase, run_bench
+    from hybrid_kv_plugin.cli.replay import Progress, choose_configs, settings_from
+    from hybrid_kv_plugin.sim.bench import BenchCase, run_bench
     from hybrid_kv_plugin.sim.workload import default_workload, with_eagle, workload_of_size
 
     out = out or sys.stdout
     if args.repeats < 1 or args.requests < 0:
         raise SystemExit("hybrid-kv: --repeats must be >= 1 and --requests >= 0")
+    configs = choose_configs(args.configs, ())
+    if len({c.name for c in configs}) != len(configs):
+        raise SystemExit(f"hybrid-kv: --configs {args.configs!r}: each configuration at most once")
     settings = settings_from(args)
     cases = [BenchCase("default", tuple(with_eagle(default_workload(args.seed), args.eagle)))]
     if args.requests:
         large = tuple(with_eagle(workload_of_size(args.requests, args.seed), args.eagle))
         cases.append(BenchCase(f"{sum(len(s.requests) for s in large)} requests", large))
-    total = sum(c.requests for c in cases) * args.repeats * len(BENCH_CONFIGS)
+    total = sum(c.requests for c in cases) * args.repeats * len(configs)
     progress = Progress(total)
 
     def advance(label: str, requests: int) -> None:
@@ -39,7 +48,7 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         progress.finish_run(requests)
         progress.update(0)
 
-    report = run_bench(cases, settings, repeats=args.repeats, progress=advance)
+    report = run_bench(cases, settings, repeats=args.repeats, progress=advance, configs=configs)
     progress.close()
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
@@ -53,14 +62,15 @@ def render_bench(report: dict, out: TextIO) -> None:
     w(f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per configuration\n")
     for case in report["cases"]:
         w(f"\n{case['name']} ({case['requests']} requests)\n")
-        w(f"  {'config':<10} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
+        width = max(10, *(len(name) for name in case["configs"]))
+        w(f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
         for name, entry in case["configs"].items():
             if "refused" in entry:
-                w(f"  {name:<10} refused: {entry['refused']}\n")
+                w(f"  {name:<{width}} refused: {entry['refused']}\n")
                 continue
             t = entry.get("step_cpu_us", {})
             w(
-                f"  {name:<10} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
+                f"  {name:<{width}} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
                 f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f}\n"
             )
         for key, ratio in case.items():

@@ -82,10 +82,17 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return BoundaryStoreStats()
 
     def _outcome_growth(self) -> dict[StoreOutcome, int]:
-        current = self.get_boundary_store_stats()
-        growth = current.minus(self._outcomes_reported)
-        self._outcomes_reported = current
-        return growth
+        # Read every step: compare the live counters first and snapshot only when they moved.
+        manager = getattr(self, "scheduler_manager", None)
+        if self.offload_mode is OffloadMode.BACKPORT and manager is not None:
+            current = manager.boundary_store_stats
+        else:
+            current = self.get_boundary_store_stats()
+        reported = self._outcomes_reported
+        if current.__dict__ == reported.__dict__:
+            return {}
+        self._outcomes_reported = current.copy()
+        return current.minus(reported)
 
     def get_kv_connector_stats(self) -> Any:
         if self.hybrid_kv_adapter.has_native_simplecpu_metrics:

@@ -34,8 +34,6 @@ and CPU pool sizing stay in charge and nothing in vLLM is patched.
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -80,8 +78,7 @@ class PendingCpuHit(NamedTuple):
     local_tokens: int
 
 
-@dataclass(frozen=True)
-class StagedBlock:
+class StagedBlock(NamedTuple):
     """One GPU block chosen for offload, with what its copy will be registered under."""
 
     gpu_block_id: int
@@ -96,14 +93,12 @@ class StoreBatch:
 
     room: int = 0  # CPU blocks the batch may take (the pool's free count when it started)
     blocks: list[StagedBlock] = field(default_factory=list)
+    # The staged blocks' GPU ids, index-parallel with ``blocks`` (kept, not derived: read every step).
+    gpu_block_ids: list[int] = field(default_factory=list)
     cpu_block_ids: list[int] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     # Primary keys already staged: a second GPU copy of the same content is not stored.
     keys: set[Any] = field(default_factory=set)
-
-    @property
-    def gpu_block_ids(self) -> list[int]:
-        return [b.gpu_block_id for b in self.blocks]
 
     @property
     def full(self) -> bool:
@@ -111,6 +106,7 @@ class StoreBatch:
 
     def absorb(self, other: StoreBatch) -> None:
         self.blocks.extend(other.blocks)
+        self.gpu_block_ids.extend(other.gpu_block_ids)
         self.cpu_block_ids.extend(other.cpu_block_ids)
 
 
@@ -141,6 +137,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self.fa_block_size = self.group_block_sizes[self.fa_gidx]
         # Groups whose block table a monotonically advancing cursor can follow.
         self._positional = tuple(adapter.offload_positionally_stable(m) for m in coordinator.single_type_managers)
+        self._positional_groups = tuple(g for g, stable in enumerate(self._positional) if stable)
         if self._lazy_mode:
             # Lazy stores never include the boundary hand-offs or the attention
             # partial tail, so a hit inside a Mamba block could not be served whole:
@@ -264,42 +261,70 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return ((block.block_hash, block.block_hash_num_tokens), *((key, None) for key in secondary))
 
     def _stage(self, batch: StoreBatch, block: KVCacheBlock, tokens: Sequence[int] = ()) -> None:
-        batch.blocks.append(StagedBlock(block.block_id, self._keys_of(block), tuple(tokens)))
-        batch.keys.add(block.block_hash)
-        # Claim it now, so a second request sharing this block does not stage it again.
-        self._in_flight_store_gpu_blocks.add(block.block_id)
-
-    def _scan_confirmed(self, state: StoreRequestState, table: Sequence[Sequence[int]], batch: StoreBatch) -> list[int]:
-        """Stage confirmed blocks of the positionally stable groups; returns the per-group cursor advance."""
+        block_id = block.block_id
         assert self._gpu_block_pool is not None
-        request = state.request
-        advanced = [0] * len(table)
+        if block_id in self._gpu_block_pool.cached_block_hashes_by_block:
+            keys = self._keys_of(block)
+        else:  # the usual case, without secondary keys (spares a call per staged block)
+            keys = ((block.block_hash, block.block_hash_num_tokens),)
+        batch.blocks.append(StagedBlock(block_id, keys, tuple(tokens)))
+        batch.gpu_block_ids.append(block_id)
+        batch.keys.add(keys[0][0])
+        # Claim it now, so a second request sharing this block does not stage it again.
+        self._in_flight_store_gpu_blocks.add(block_id)
+
+    def _scan_confirmed(
+        self, request: Any, table: Sequence[Sequence[int]], cursors: list[int], batch: StoreBatch
+    ) -> None:
+        """Stage confirmed blocks of the positionally stable groups, advancing ``cursors`` (one per group).
+
+        Runs for every running request each step, so the admission test of
+        :meth:`_admission` is inlined (only "may be stored" matters here).
+        """
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         # Store up to the finest boundary a lookup can land on: with fine-grained hits
         # that is the hash block; stopping at the scheduler block would drop attention
         # blocks that a Mamba boundary hand-off makes reachable.
         unit = self.hash_block_size if self.cpu_coordinator.enable_partial_hash_hits else self.block_size
         reachable = confirmed // unit * unit
-        with_tokens = self.enable_kv_cache_events
-        for g, ids in enumerate(table):
-            if not self._positional[g]:
-                continue
+        for g in self._positional_groups:
+            ids = table[g]
             size = self.group_block_sizes[g]
-            for index in range(state.num_stored_blocks[g], min(len(ids), reachable // size)):
-                block = self._gpu_block_pool.blocks[ids[index]]
-                if self._admission(block, batch) is StoreOutcome.STORED:
-                    if batch.full:
-                        return advanced  # out of CPU space: retry from here next step
-                    tokens = request.all_token_ids[index * size : (index + 1) * size] if with_tokens else ()
-                    self._stage(batch, block, tokens)
-                advanced[g] += 1
-        return advanced
+            start = cursors[g]
+            stop = min(len(ids), reachable // size)
+            if stop <= start:
+                continue
+            assert self._gpu_block_pool is not None
+            gpu_blocks = self._gpu_block_pool.blocks
+            in_flight = self._in_flight_store_gpu_blocks
+            cpu_cached = self.cpu_block_pool.cached_block_hash_to_block
+            staged_keys = batch.keys
+            for index in range(start, stop):
+                block = gpu_blocks[ids[index]]
+                if block.is_null:
+                    continue
+                key = block.block_hash
+                if (
+                    key is None
+                    or block.block_id in in_flight
+                    or key in staged_keys
+                    or cpu_cached.get_one_block(key) is not None
+                ):
+                    continue
+                if len(batch.blocks) >= batch.room:
+                    cursors[g] = index
+                    return  # out of CPU space: retry from here next step
+                tokens = request.all_token_ids[index * size : (index + 1) * size] if self.enable_kv_cache_events else ()
+                self._stage(batch, block, tokens)
+            cursors[g] = stop
 
     def _take_boundary_handoffs(self, scheduler_output: Any, batch: StoreBatch) -> None:
         """Admit (or count the refusal of) every Mamba boundary hand-off of this step."""
         assert self._gpu_block_pool is not None
         block_state = scheduler_output.kv_connector_block_state
         handoffs = block_state.boundary_state_offloads if block_state is not None else {}
+        if not handoffs:
+            return
         leaving = set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids)
         stats = self.boundary_store_stats
         for req_id, entries in handoffs.items():
@@ -332,22 +357,26 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         if self._gpu_block_pool is None:
             return batch
         self._take_boundary_handoffs(scheduler_output, batch)
+        tracked = self._reqs_to_store
+        scheduled = scheduler_output.num_scheduled_tokens
+        staged = batch.blocks
         for req_id, new_ids, resumed in yield_req_data(scheduler_output):
-            state = self._reqs_to_store.get(req_id)
+            state = tracked.get(req_id)
             if state is None or state.finished:
                 continue
+            table = state.block_ids
             if resumed:  # preempted and rescheduled: the block table starts over
-                state.block_ids = tuple([] for _ in state.block_ids)
-                state.num_stored_blocks = [0] * len(state.block_ids)
-            for g, ids in enumerate(new_ids or ()):
-                if ids is not None and g < len(state.block_ids):
-                    state.block_ids[g].extend(ids)
-            if not scheduler_output.num_scheduled_tokens.get(req_id, 0):
+                state.block_ids = table = tuple([] for _ in table)
+                state.num_stored_blocks = [0] * len(table)
+            if new_ids:
+                for g, ids in enumerate(new_ids):
+                    if ids and g < len(table):
+                        table[g].extend(ids)
+            if not scheduled.get(req_id, 0):
                 continue
-            before = len(batch.blocks)
-            advanced = self._scan_confirmed(state, state.block_ids, batch)
-            state.num_stored_blocks = [n + a for n, a in zip(state.num_stored_blocks, advanced)]
-            if len(batch.blocks) > before and req_id not in batch.req_ids:
+            before = len(staged)
+            self._scan_confirmed(state.request, table, state.num_stored_blocks, batch)
+            if len(staged) > before and req_id not in batch.req_ids:
                 batch.req_ids.append(req_id)
         return batch
 
@@ -404,7 +433,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         if state is None or self._gpu_block_pool is None:
             return
         batch = StoreBatch(room=self.cpu_block_pool.get_num_free_blocks())
-        self._scan_confirmed(state, block_ids, batch)
+        # A scratch copy of the cursors: the request is leaving, its state is not advanced.
+        self._scan_confirmed(state.request, block_ids, list(state.num_stored_blocks), batch)
         tail = self._attention_partial_tail(request, block_ids)
         # Decode may have filled the tail block, in which case the scan above already
         # staged it (and marked it in flight): never copy one GPU block twice.
@@ -465,10 +495,12 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         assert len(staged) == len(transfer.cpu_block_ids) == len(transfer.gpu_block_ids)
         cpu_pool = self.cpu_block_pool
         cpu_blocks = [cpu_pool.blocks[i] for i in transfer.cpu_block_ids]
+        insert = cpu_pool._insert_block_hash
+        events = self.enable_kv_cache_events
         for cpu_block, record in zip(cpu_blocks, staged):
             for key, num_tokens in record.keys:
-                cpu_pool._insert_block_hash(key, cpu_block, num_tokens=num_tokens)
-            if self.enable_kv_cache_events:
+                insert(key, cpu_block, num_tokens=num_tokens)
+            if events:
                 cpu_pool.kv_event_queue.extend(self._stored_events(record))
         cpu_pool.free_blocks(cpu_blocks)  # cached, evictable
         assert self._gpu_block_pool is not None
@@ -503,8 +535,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return done
 
     def get_boundary_store_stats(self) -> BoundaryStoreStats:
-        # A flat dataclass of ints: a shallow copy is a full snapshot (asdict deep-copies per call).
-        return dataclasses.replace(self.boundary_store_stats)
+        return self.boundary_store_stats.copy()
 
     def store_metadata(self, event_idx: int) -> list[StagedBlock] | None:
         """The per-block records of a store event that has not completed (index-parallel with its ids)."""

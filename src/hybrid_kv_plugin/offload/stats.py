@@ -26,6 +26,10 @@ class StoreOutcome(str, Enum):
     SKIPPED_IN_FLIGHT = "skipped_in_flight"
 
 
+# (outcome, its counter field), resolved once: the metrics read the growth every step.
+_OUTCOME_FIELDS = tuple((o, o.value) for o in StoreOutcome)
+
+
 @dataclass
 class BoundaryStoreStats:
     """Cumulative since start-up or the last CPU-cache reset. ``published`` = sum of the outcomes."""
@@ -41,15 +45,23 @@ class BoundaryStoreStats:
 
     def count(self, outcome: StoreOutcome, n: int = 1) -> None:
         self.published += n
-        setattr(self, outcome.value, getattr(self, outcome.value) + n)
+        # ``_value_``: the enum's ``value`` property costs a descriptor call per read.
+        field_name = outcome._value_
+        setattr(self, field_name, getattr(self, field_name) + n)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
+    def copy(self) -> BoundaryStoreStats:
+        """A snapshot (every field is an int); cheaper than ``dataclasses.replace``, read each step."""
+        return BoundaryStoreStats(**self.__dict__)
+
     def minus(self, earlier: BoundaryStoreStats) -> dict[StoreOutcome, int]:
         """Per-outcome growth since ``earlier`` (a snapshot); outcomes that did not grow are left out."""
-        grown = {o: getattr(self, o.value) - getattr(earlier, o.value) for o in StoreOutcome}
-        return {o: n for o, n in grown.items() if n > 0}
+        mine, theirs = self.__dict__, earlier.__dict__
+        if mine == theirs:  # the usual step: nothing was offered
+            return {}
+        return {o: mine[f] - theirs[f] for o, f in _OUTCOME_FIELDS if mine[f] > theirs[f]}
 
     @classmethod
     def from_native(cls, native: Any) -> BoundaryStoreStats:

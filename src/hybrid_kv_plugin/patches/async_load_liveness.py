@@ -85,6 +85,8 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
 def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> None:
     """Drop in-flight reservations of requests that hold no KV block."""
     inflight = scheduler._inflight_prefills
+    if not inflight:  # the usual step (runs before every schedule)
+        return
     # A request with computed tokens holds their blocks; only a failed load resets them to 0.
     stale = [
         r

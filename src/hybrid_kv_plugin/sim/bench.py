@@ -96,6 +96,7 @@ def run_bench(
     repeats: int = 5,
     clock: Callable[[], float] | None = None,
     progress: Callable[[str, int], None] | None = None,
+    configs: Sequence[ReplayConfig] = BENCH_CONFIGS,
 ) -> dict[str, Any]:
     from hybrid_kv_plugin.registration import current_adapter
 
@@ -103,5 +104,5 @@ def run_bench(
         "vllm": current_adapter().version,
         "repeats": repeats,
         "timed": "process CPU time of scheduler.schedule() + scheduler.update_from_output()",
-        "cases": [run_case(case, settings, repeats, clock=clock, progress=progress) for case in cases],
+        "cases": [run_case(case, settings, repeats, configs=configs, clock=clock, progress=progress) for case in cases],
     }
