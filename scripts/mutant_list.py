@@ -20,6 +20,11 @@ class Mutant:
     replacement: str
     tests: tuple[str, ...]  # pytest node ids; at least one must fail
     wheels: tuple[str, ...]  # the .venvs/vllm-<wheel> environments to run them in
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the pytest run
+
+
+# The randomized suite's CI budget without hypothesis shrinking: a killed mutant fails fast.
+NO_SHRINK = (("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci-noshrink"),)
 
 
 FINE = "offload/fine_grained_scheduler.py"  # the 0.26-0.29 backport of fine-grained CPU hits
@@ -95,13 +100,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass\n",
         ("tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",),
         ("0.29.0", "0.33.0"),
+        NO_SHRINK,
     ),
     Mutant(
         "prompt-tail-replay-position-one-unit-low",
         "prompt_tail/policy.py",
         "        return max((num_prompt_tokens - 1) // unit * unit - drop, 0)\n",
         "        return max((num_prompt_tokens - 1) // unit * unit - drop - unit, 0)\n",
-        ("tests/test_prompt_tail_checkpoint.py::test_replay_is_the_0_33_position",),
+        # On 0.32+ the wheel itself keeps the replay position, so there "both" is what uses it.
+        (
+            "tests/test_prompt_tail_checkpoint.py::test_replay_is_the_0_33_position",
+            "tests/test_prompt_tail_checkpoint.py::test_both_serves_exact_replays_and_continuations",
+        ),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
@@ -117,7 +127,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "patches/mamba_boundary_handoffs.py",
         "            records.append((req_id, self.kv_cache_group_id, block, (index + 1) * self.block_size))\n",
         "            pass\n",
-        (f"{OFFLOAD}::test_fine_grained_external_hit_mapping",),
+        (f"{OFFLOAD}::test_mamba_blocks_never_scanned_positionally",),
         ("0.27.1",),
     ),
     Mutant(

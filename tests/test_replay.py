@@ -70,7 +70,19 @@ def assert_buckets_sum_to_the_loss(result) -> None:
 
 @pytest.fixture(scope="module")
 def small_results():
-    return {name: replay(small_workload(), ReplaySettings(), CONFIGS[name]) for name in CONFIGS}
+    # The offload invariants watch every run (an AssertionError names any violation).
+    return {name: replay(small_workload(), ReplaySettings(), CONFIGS[name], check_invariants=True) for name in CONFIGS}
+
+
+def test_replay_checks_every_block_the_cpu_tier_served(adapter, small_results):
+    """One checked load per 16-token attention block and one per Mamba state the CPU tier served."""
+    for name, result in small_results.items():
+        if result.refused or (name == "stock" and not adapter.has_native_fine_grained_cpu_hits):
+            continue  # stock SimpleCPU without the feature loads whole Mamba blocks positionally
+        for segment in result.segments:
+            served = [row["cpu"] for row in segment.per_request.values() if row["cpu"]]
+            assert segment.checked_loads == sum(cpu // 16 + 1 for cpu in served), (name, segment.name)
+            assert segment.checked_copies is not None
 
 
 def test_plugin_matches_native_033_wherever_the_feature_exists(adapter, small_results):

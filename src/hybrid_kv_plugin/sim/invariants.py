@@ -37,6 +37,8 @@ class StoreRecord:
     cpu_block_id: int
     # Every key the GPU source answered to when the store was issued (primary first).
     source_keys: tuple[Any, ...] = ()
+    # Tokens the source's primary key covers when that is less than a whole block (a partial key).
+    key_tokens: int | None = None
 
 
 @dataclass
@@ -116,7 +118,11 @@ class OffloadInvariants:
                         f"step {self._step}: GPU block {gpu_id} stored again (first at step {earlier.step} "
                         f"into CPU block {earlier.cpu_block_id}, which still holds it)"
                     )
-            record = StoreRecord(self._step, gpu_id, key, cpu_id, tuple(self._keys_of(gpu_pool, gpu_id)))
+            source = gpu_pool.blocks[gpu_id]
+            record = StoreRecord(
+                self._step, gpu_id, key, cpu_id, tuple(self._keys_of(gpu_pool, gpu_id)),
+                getattr(source, "block_hash_num_tokens", None),
+            )
             self._copies[(gpu_id, key)] = record
             self.stores.append(record)
             records.append(record)
@@ -174,6 +180,13 @@ class OffloadInvariants:
                 )
                 continue
             self.loads.append((self._step, req_id, group, index, max(inside)))
+
+    def is_partial_attention_store(self, record: StoreRecord) -> bool:
+        """A non-Mamba block copied while its key covers only part of it (a prompt's partial tail)."""
+        if record.key is None or record.key_tokens is None:
+            return False
+        group = _group_part(record.key)
+        return group not in self._mamba_groups and record.key_tokens < self.group_block_sizes[group]
 
     # ------------------------------------------------------------------ verdict
     def check(self, *, gpu_released: bool = True) -> None:
