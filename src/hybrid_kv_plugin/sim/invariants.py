@@ -37,7 +37,7 @@ class StoreRecord:
     cpu_block_id: int
     # Every key the GPU source answered to when the store was issued (primary first).
     source_keys: tuple[Any, ...] = ()
-    # Tokens the source's primary key covers when that is less than a whole block (a partial key).
+    # Prefix tokens the source's primary key covers (off the block grid: a partial key).
     key_tokens: int | None = None
 
 
@@ -186,7 +186,7 @@ class OffloadInvariants:
         if record.key is None or record.key_tokens is None:
             return False
         group = _group_part(record.key)
-        return group not in self._mamba_groups and record.key_tokens < self.group_block_sizes[group]
+        return group not in self._mamba_groups and record.key_tokens % self.group_block_sizes[group] != 0
 
     # ------------------------------------------------------------------ verdict
     def check(self, *, gpu_released: bool = True) -> None:

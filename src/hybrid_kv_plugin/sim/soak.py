@@ -164,6 +164,9 @@ class FaultHarness:
         self.rng = random.Random(self.seed)
         self.can_fail_loads = load_failures_reportable(self.adapter, self.variant)
         unit = hash_block_size_for(self.adapter, self.variant)
+        if self.variant.attention_block_size:
+            # The same pool in tokens as the unit-sized geometry, so it still preempts.
+            self.num_gpu_blocks = self.num_gpu_blocks * unit // self.variant.attention_block_size
         geometry = HybridGeometry(
             attention_block_size=self.variant.attention_block_size or unit,
             hash_block_size=unit,
