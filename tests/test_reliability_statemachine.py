@@ -180,12 +180,14 @@ class FaultMachine(RuleBasedStateMachine):
 
 
 def expected_side(adapter, variant) -> str:
-    """The stock connector and a full-attention model run vLLM's stock side; the plugin's hybrid variants
-    run the plugin's backport where the wheel lacks the feature, the wheel's native one elsewhere."""
-    if variant.connector == STOCK_CONNECTOR_NAME or variant.full_attention_only:
+    """The stock connector runs vLLM's stock side. The plugin's connector runs the wheel's native side
+    where the wheel has the feature (0.30+); elsewhere the plugin's backport on a hybrid model and
+    vLLM's stock side on a full-attention model (nothing hybrid to fix)."""
+    if variant.connector == STOCK_CONNECTOR_NAME:
         return OffloadMode.STOCK.value
-    native = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support is Support.NATIVE
-    return (OffloadMode.NATIVE if native else OffloadMode.BACKPORT).value
+    if adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support is Support.NATIVE:
+        return OffloadMode.NATIVE.value
+    return (OffloadMode.STOCK if variant.full_attention_only else OffloadMode.BACKPORT).value
 
 
 def expected_floors(adapter, variant) -> dict[str, int]:
