@@ -321,34 +321,36 @@ def test_junction_outside_the_prompt_chunk_adds_nothing(plugin, make_engine, ada
     """Beyond the prompt, or already computed, a junction gets no stop and no state.
 
     A junction past the prompt only arises when a preempted request that decoded past a
-    block boundary is readmitted; the test sets ``shared_prefix_boundary`` the way that
-    readmission would and asks the real split and the real Mamba manager directly.
+    block boundary is readmitted; the test runs a real request (40 prompt tokens) until
+    the Mamba block holding the junction is its live block (44 prompt tokens: its stock prompt-tail
+    state is at 44 and its EAGLE tail one unit lower at 40, so the junction is tried at 36), sets ``shared_prefix_boundary``
+    the way that readmission would, and asks the real split and the real Mamba manager
+    directly: with a live block there, a missing guard would register a state.
     """
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
     results = []
     for config in (SWITCH_OFF, SWITCH_ON):
         engine = make_engine(geometry(), additional_config=config)
         assert junction_active(adapter, engine.scheduler) is (config is SWITCH_ON)
-        request = Request(
-            request_id="resumed",
-            prompt_token_ids=PREFIX[:24] + suffix(1),
-            sampling_params=SamplingParams(max_tokens=32),
-            pooling_params=None,
-            block_hasher=engine.block_hasher,
-        )
-        request.append_output_token_ids(suffix(4, 20))  # 40 prompt + 20 output tokens
-        request.num_computed_tokens = 48
-        request.shared_prefix_boundary = 52  # inside the chunk, past the prompt
-        past_prompt = engine.scheduler._mamba_block_aligned_split(request, 12)
+        engine.add_request("resumed", PREFIX[:24] + suffix(1, 20), max_tokens=32)
+        request = engine.scheduler.requests["resumed"]
         mamba = engine.scheduler.kv_cache_manager.coordinator.single_type_managers[1]
         retention = (None,) if adapter.native_junction_flag else ()  # 0.30+ also pass the retention
-        state_past_prompt = mamba._cache_partial_tail_block(request, 52, *retention)
-        request.num_computed_tokens, request.shared_prefix_boundary = 20, 12  # already computed
-        state_computed = mamba._cache_partial_tail_block(request, 12, *retention)
-        results.append((past_prompt, state_past_prompt, state_computed))
-    assert results == [(12, None, None), (12, None, None)]
+
+        def state_at(boundary: int) -> object:
+            live = mamba.req_to_blocks["resumed"][boundary // 16]
+            assert not live.is_null  # the block that would hold the state is the request's own
+            request.shared_prefix_boundary = boundary
+            return mamba._cache_partial_tail_block(request, boundary, *retention)
+
+        while request.num_computed_tokens < 45:  # decoding inside Mamba block 2 (tokens 32..48)
+            engine.step()
+        computed_at_36 = (request.num_computed_tokens, state_at(36))  # in the prompt, already computed
+        while request.num_computed_tokens < 49:  # decoding inside Mamba block 3 (tokens 48..64)
+            engine.step()
+        request.shared_prefix_boundary = 52  # inside the next chunk, past the prompt
+        past_prompt = engine.scheduler._mamba_block_aligned_split(request, 12)
+        results.append((computed_at_36, request.num_computed_tokens, past_prompt, state_at(52)))
+    assert results == [((45, None), 49, 12, None), ((45, None), 49, 12, None)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Seeds the randomized runs once failed on, kept as fixed regressions.
 
-* seed 0, ``plugin-full-attention``, 240 steps (failed at step 209 on vLLM 0.29.0,
+* seed 0, ``passthrough-full-attention``, 240 steps (failed at step 209 on vLLM 0.29.0,
   step 97 with the first harness): ``OffloadInvariants`` (sim/invariants.py) reported
   "GPU block N stored again ... which still holds it" for a legitimate re-store - the
   earlier copy's CPU block had been evicted (or dropped by a CPU-cache reset) and
@@ -32,7 +32,7 @@ RESTORE_RUN = (250, 29, 1768)
 
 
 def test_seed0_full_attention_restore_is_not_a_duplicate(plugin, adapter):
-    counts, checks, violations = soak(adapter, _variant(adapter, "plugin-full-attention"), 240, seed=0)
+    counts, checks, violations = soak(adapter, _variant(adapter, "passthrough-full-attention"), 240, seed=0)
     assert violations == []
     assert (counts.steps, counts.requests, checks) == RESTORE_RUN
 
@@ -42,7 +42,7 @@ def test_seed0_full_attention_restore_is_not_a_duplicate(plugin, adapter):
 # (steps, requests, failed loads).
 DEADLOCK_SEEDS = {
     "0.29.0": (
-        "plugin-full-attention", 0, 10_000,
+        "passthrough-full-attention", 0, 10_000,
         "['q869', 'q870', 'q871', 'q874', 'q876', 'q877', 'q878', 'q880', 'q881']", (10_008, 1103, 62),
     ),
     "0.30.0": ("plugin-lazy", 0, 2_000, "['q149', 'q150']", (2000, 207, 8)),
@@ -53,7 +53,7 @@ DEADLOCK_SEEDS = {
 # Programs that still deadlock when only the stale reservations are dropped: the queue
 # order (block holders first) is needed as well. (variant, seed, steps, stuck requests)
 ORDER_SEEDS = {
-    "0.29.0": ("plugin-full-attention", 2, 10_000, "['q846', 'q847', 'q848']"),
+    "0.29.0": ("passthrough-full-attention", 2, 10_000, "['q846', 'q847', 'q848']"),
     "0.30.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
     "0.31.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),
     "0.32.0": ("stock", 8, 2_000, "['q138', 'q139', 'q140']"),

@@ -70,7 +70,21 @@ def assert_buckets_sum_to_the_loss(result) -> None:
 
 @pytest.fixture(scope="module")
 def small_results():
-    return {name: replay(small_workload(), ReplaySettings(), CONFIGS[name]) for name in CONFIGS}
+    # The offload invariants watch every run (an AssertionError names any violation).
+    return {name: replay(small_workload(), ReplaySettings(), CONFIGS[name], check_invariants=True) for name in CONFIGS}
+
+
+# The plugin config's (checked loads, checked CPU copies) per segment (chat, agents): every block
+# the CPU tier loaded and every copy it published passed the offload invariants. 0.26-0.27 keep a
+# Mamba state at every whole block, so their agents segment loads from the CPU tier too.
+KEEPS = (("chat", 32, 44), ("agents", 26, 36))
+LATER = (("chat", 32, 43), ("agents", 0, 35))
+CHECKED = {"0.26.0": KEEPS, "0.27.1": KEEPS, **{v: LATER for v in ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}}
+
+
+def test_replay_runs_the_offload_invariants(adapter, small_results):
+    plugin = small_results["plugin"]
+    assert tuple((s.name, s.checked_loads, s.checked_copies) for s in plugin.segments) == CHECKED[adapter.version]
 
 
 def test_plugin_matches_native_033_wherever_the_feature_exists(adapter, small_results):

@@ -10,9 +10,15 @@ changed) and :meth:`OffloadInvariants.check` asserts, once the engine is idle:
 2. **No GPU block is stored twice**: a (GPU block, content) pair is copied to the
    CPU tier again only if its earlier copy no longer carries that key, and one
    store event never names a GPU block twice.
-3. **Loads land where their hash says**: every loaded CPU block carries a key of
+3. **Copies are published under their source's keys**: when a store event
+   completes, each CPU copy answers to the key its GPU source carried when the
+   store was issued, and to no key the source did not carry (a copy published
+   under a neighbour's key would serve another position's KV or Mamba state).
+4. **Loads land where their hash says**: every loaded CPU block carries a key of
    the destination's group whose prefix boundary falls inside the destination
-   block's token range (for a Mamba state block: the hit boundary itself).
+   block's token range; for a Mamba state block that boundary is the hit boundary
+   itself (the request's computed tokens once the hit is counted), since a state
+   is the state after exactly one position.
 
 Violations are collected with their step, so a failure names all of them.
 """
@@ -29,6 +35,10 @@ class StoreRecord:
     gpu_block_id: int
     key: Any
     cpu_block_id: int
+    # Every key the GPU source answered to when the store was issued (primary first).
+    source_keys: tuple[Any, ...] = ()
+    # Prefix tokens the source's primary key covers (off the block grid: a partial key).
+    key_tokens: int | None = None
 
 
 @dataclass
@@ -49,6 +59,12 @@ class OffloadInvariants:
         self.group_block_sizes = self.engine.adapter.offload_group_block_sizes(manager.cpu_coordinator)
         self.hash_block_size = manager.hash_block_size
         self._copies: dict[tuple[int, Any], StoreRecord] = {}
+        # Store event -> its records, until the event completes (or is abandoned).
+        self._event_records: dict[int, list[StoreRecord]] = {}
+        self.published_checked = 0
+        self._mamba_groups = {
+            g for g, group in enumerate(self.engine.kv_cache_config.kv_cache_groups) if _is_mamba(group.kv_cache_spec)
+        }
         connector = self.engine.connector
         original = connector.build_connector_meta
 
@@ -58,6 +74,15 @@ class OffloadInvariants:
             return meta
 
         connector.build_connector_meta = build_connector_meta
+        original_update = connector.update_connector_output
+
+        def update_connector_output(connector_output: Any) -> Any:
+            pending = set(getattr(self.manager, "_store_event_to_blocks", {}))
+            result = original_update(connector_output)
+            self._observe_completions(pending - set(getattr(self.manager, "_store_event_to_blocks", {})))
+            return result
+
+        connector.update_connector_output = update_connector_output
 
     # ------------------------------------------------------------------ observation
     @property
@@ -83,6 +108,7 @@ class OffloadInvariants:
         gpu_ids, cpu_ids = list(meta.store_gpu_blocks), list(meta.store_cpu_blocks)
         if len(set(gpu_ids)) != len(gpu_ids):
             self.violations.append(f"step {self._step}: one store event names a GPU block twice: {gpu_ids}")
+        records = self._event_records.setdefault(meta.store_event, [])
         for gpu_id, cpu_id in zip(gpu_ids, cpu_ids):
             key = gpu_pool.blocks[gpu_id].block_hash
             earlier = self._copies.get((gpu_id, key))
@@ -92,9 +118,32 @@ class OffloadInvariants:
                         f"step {self._step}: GPU block {gpu_id} stored again (first at step {earlier.step} "
                         f"into CPU block {earlier.cpu_block_id}, which still holds it)"
                     )
-            record = StoreRecord(self._step, gpu_id, key, cpu_id)
+            source = gpu_pool.blocks[gpu_id]
+            record = StoreRecord(
+                self._step, gpu_id, key, cpu_id, tuple(self._keys_of(gpu_pool, gpu_id)),
+                getattr(source, "block_hash_num_tokens", None),
+            )
             self._copies[(gpu_id, key)] = record
             self.stores.append(record)
+            records.append(record)
+
+    def _observe_completions(self, events: set[int]) -> None:
+        """Store events that completed in this ``update_connector_output``: compare published keys."""
+        for event in sorted(events):
+            for record in self._event_records.pop(event, []):
+                self.published_checked += 1
+                published = self._keys_of(self.cpu_pool, record.cpu_block_id)
+                foreign = [k for k in published if k not in record.source_keys]
+                if record.key not in published or foreign:
+                    self.violations.append(
+                        f"step {self._step}: CPU block {record.cpu_block_id} (copy of GPU block {record.gpu_block_id}, "
+                        f"store event {event}) is published under {published}, its source carried "
+                        f"{list(record.source_keys)}"
+                    )
+        # Events a CPU-cache reset abandoned are never published: forget them.
+        live = set(getattr(self.manager, "_store_event_to_blocks", {}))
+        for event in [e for e in self._event_records if e not in live]:
+            del self._event_records[event]
 
     def _in_flight(self, record: StoreRecord) -> bool:
         pending = getattr(self.manager, "_store_event_to_blocks", {})
@@ -118,13 +167,26 @@ class OffloadInvariants:
                 if _group_part(key) == group
             ]
             inside = [b for b in boundaries if b is not None and index * size < b <= (index + 1) * size]
+            expected = ""
+            if group in self._mamba_groups:
+                # A Mamba state is the state after one exact position: the hit boundary.
+                hit = request.num_computed_tokens
+                inside = [b for b in inside if b == hit]
+                expected = f", a Mamba state must be the one at the hit boundary {hit}"
             if not inside:
                 self.violations.append(
                     f"step {self._step}: {req_id} loads CPU block {cpu_id} into group {group} position {index} "
-                    f"(tokens {index * size}..{(index + 1) * size}) but it carries boundaries {boundaries}"
+                    f"(tokens {index * size}..{(index + 1) * size}) but it carries boundaries {boundaries}{expected}"
                 )
                 continue
             self.loads.append((self._step, req_id, group, index, max(inside)))
+
+    def is_partial_attention_store(self, record: StoreRecord) -> bool:
+        """A non-Mamba block copied while its key covers only part of it (a prompt's partial tail)."""
+        if record.key is None or record.key_tokens is None:
+            return False
+        group = _group_part(record.key)
+        return group not in self._mamba_groups and record.key_tokens % self.group_block_sizes[group] != 0
 
     # ------------------------------------------------------------------ verdict
     def check(self, *, gpu_released: bool = True) -> None:
@@ -139,6 +201,12 @@ class OffloadInvariants:
             if held:
                 problems.append(f"GPU pool: blocks still referenced when idle: {held}")
         assert not problems, "SimpleCPU offload invariants violated:\n  " + "\n  ".join(problems)
+
+
+def _is_mamba(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 def _hash_part(key: Any) -> Any:

@@ -111,6 +111,10 @@ class SegmentResult:
     per_request: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Timed (Mooncake) segments: steps from arrival to first token, per request.
     ttft_steps: dict[str, int] | None = None
+    # With ``check_invariants``: loaded blocks and published CPU copies the offload
+    # invariants checked (None: not checked, or no CPU tier).
+    checked_loads: int | None = None
+    checked_copies: int | None = None
 
 
 def _total(attr: str) -> Any:
@@ -288,8 +292,12 @@ def replay(
     per_request: bool = True,
     progress: Callable[[int], None] | None = None,
     timer: StepTimer | None = None,
+    check_invariants: bool = False,
 ) -> ReplayResult:
     """Run every segment under ``config``; the plugin is registered (or not) for this run only.
+
+    ``check_invariants``: watch the CPU tier with :class:`~hybrid_kv_plugin.sim.invariants.OffloadInvariants`
+    and raise ``AssertionError`` at the end of a segment that violated one.
 
     ``progress(n)`` is called with the number of requests done so far (all segments).
     """
@@ -309,7 +317,7 @@ def replay(
         done = 0
         for segment in segments:
             try:
-                run = _SegmentRun(segment, settings, config, observe=observe, timer=timer)
+                run = _SegmentRun(segment, settings, config, observe=observe, timer=timer, check_invariants=check_invariants)
             except PluginConfigError as exc:
                 result.refused = str(exc)
                 return result
@@ -342,6 +350,7 @@ class _SegmentRun:
         *,
         observe: bool,
         timer: StepTimer | None,
+        check_invariants: bool = False,
     ) -> None:
         from hybrid_kv_plugin.sim.engine import SimEngine, TransferPolicy
 
@@ -375,13 +384,25 @@ class _SegmentRun:
             self._install_observers()
         if timer is not None:
             timer.install(self.engine.scheduler)
+        self.invariants = None
+        if check_invariants and self.engine.offload_manager is not None:
+            from hybrid_kv_plugin.sim.invariants import OffloadInvariants
+
+            self.invariants = OffloadInvariants(self.engine)
 
     # ------------------------------------------------------------------ driving
     def run(self, progress: Callable[[int], None] | None, done: int) -> int:
         engine = self.engine
         if isinstance(self.segment, TimedSegment):
             done, self.ttft_steps = run_timed(engine, self.segment, progress, done)
-            return done
+        else:
+            done = self._run_waves(progress, done)
+        if self.invariants is not None:
+            self.invariants.check()
+        return done
+
+    def _run_waves(self, progress: Callable[[int], None] | None, done: int) -> int:
+        engine = self.engine
         waves: dict[int, list[TraceRequest]] = {}
         for request in self.segment.requests:
             waves.setdefault(request.wave, []).append(request)
@@ -413,6 +434,8 @@ class _SegmentRun:
             boundary_stats=self._store_stats(),
             cpu_evictions=self.cpu_evictions if self.observed else None,
             ttft_steps=self.ttft_steps,
+            checked_loads=len(self.invariants.loads) if self.invariants is not None else None,
+            checked_copies=self.invariants.published_checked if self.invariants is not None else None,
         )
         buckets: dict[str, dict[Bucket, int]] = {}
         for request in requests:

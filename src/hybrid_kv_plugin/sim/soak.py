@@ -54,10 +54,14 @@ class Variant:
     plugin_options: tuple[tuple[str, Any], ...] = ()
     # Multiplies every request's max_tokens (answers that cross several prefix-match units).
     output_scale: int = 1
+    # Attention block coarser than the prefix-match unit (None: equal to it), so a prompt's
+    # last hash boundary can fall inside an attention block (a partial attention tail).
+    attention_block_size: int | None = None
 
     def describe(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.extra)
-        shape = "full attention only" if self.full_attention_only else "hybrid FA16 + Mamba64 align"
+        fa = self.attention_block_size or "16"
+        shape = "full attention only" if self.full_attention_only else f"hybrid FA{fa} + Mamba64 align"
         return f"{self.connector}({extra}) on {shape}"
 
 
@@ -66,7 +70,9 @@ def variants(adapter: Any) -> list[Variant]:
 
     Where the wheel cannot serve fine-grained hits the plugin's connector only starts
     with ``fine_grained_hits: false`` (it refuses otherwise). Every supported wheel
-    serves them today (0.26-0.29 through the plugin's backport).
+    serves them today (0.26-0.29 through the plugin's backport). On a full-attention
+    model the plugin's connector passes through to vLLM's stock SimpleCPU scheduler
+    side (nothing hybrid to fix), hence that variant's name.
     """
     from hybrid_kv_plugin.adapters import Feature
 
@@ -75,7 +81,8 @@ def variants(adapter: Any) -> list[Variant]:
         Variant("stock", STOCK_CONNECTOR_NAME),
         Variant("plugin", CONNECTOR_NAME, opt_out),
         Variant("plugin-lazy", CONNECTOR_NAME, (*opt_out, ("lazy_offload", True))),
-        Variant("plugin-full-attention", CONNECTOR_NAME, opt_out, full_attention_only=True),
+        Variant("plugin-fa32", CONNECTOR_NAME, opt_out, attention_block_size=32),
+        Variant("passthrough-full-attention", CONNECTOR_NAME, opt_out, full_attention_only=True),
         *(
             [Variant("plugin-tail-both", CONNECTOR_NAME, opt_out, plugin_options=(("prompt_tail_checkpoint", "both"),))]
             if adapter.prompt_tail_checkpoint_supported
@@ -136,6 +143,9 @@ class Counts:
     gpu_resets: int = 0
     cpu_resets: int = 0
     drains: int = 0
+    # Attention blocks stored while holding a partial prefix key (a prompt's last hash
+    # boundary inside the block).
+    partial_tails: int = 0
 
     def add(self, other: Counts) -> None:
         for name in vars(self):
@@ -162,8 +172,11 @@ class FaultHarness:
         self.rng = random.Random(self.seed)
         self.can_fail_loads = load_failures_reportable(self.adapter, self.variant)
         unit = hash_block_size_for(self.adapter, self.variant)
+        if self.variant.attention_block_size:
+            # The same pool in tokens as the unit-sized geometry, so it still preempts.
+            self.num_gpu_blocks = self.num_gpu_blocks * unit // self.variant.attention_block_size
         geometry = HybridGeometry(
-            attention_block_size=unit,
+            attention_block_size=self.variant.attention_block_size or unit,
             hash_block_size=unit,
             num_gpu_blocks=self.num_gpu_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -181,6 +194,7 @@ class FaultHarness:
             configure=self._configure,
         )
         self.invariants = StepInvariants(self.engine)
+        self._stores_seen = 0
         self._ids = 0
         self._preemptions: dict[str, int] = {}
         self._families = [[random.Random(1000 + f).randint(1, 1000) for _ in range(MAX_PREFIX_UNITS * HASH_BLOCK_SIZE)] for f in range(FAMILIES)]
@@ -239,6 +253,7 @@ class FaultHarness:
             self.engine.step()
             self.counts.steps += 1
             self._count_preemptions()
+            self._count_partial_tails()
             self.invariants.check_step()
 
     def _count_preemptions(self) -> None:
@@ -247,6 +262,20 @@ class FaultHarness:
             if request.num_preemptions > before:
                 self.counts.preemptions += request.num_preemptions - before
                 self._preemptions[req_id] = request.num_preemptions
+
+    def _count_partial_tails(self) -> None:
+        offload = self.invariants.offload
+        if offload is None:
+            return
+        new = offload.stores[self._stores_seen :]
+        self._stores_seen = len(offload.stores)
+        self.counts.partial_tails += sum(offload.is_partial_attention_store(r) for r in new)
+
+    @property
+    def scheduler_side(self) -> str:
+        """Whose SimpleCPU scheduler side runs: "backport" (the plugin's), "native" or "stock" (vLLM's)."""
+        mode = getattr(self.engine.connector, "offload_mode", None)
+        return "stock" if mode is None else mode.value
 
     def drain(self) -> bool:
         """Step until idle (faults stay on); check the idle invariants. False if it never idled."""

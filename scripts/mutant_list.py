@@ -1,0 +1,151 @@
+"""The named mutants of ``scripts/mutants``: semantic bugs the test suite must catch.
+
+Each mutant replaces one anchor (a snippet that must occur exactly once in its file
+under ``src/hybrid_kv_plugin/``) and names the smallest set of tests that kills it
+and the wheels it concerns (the code it breaks runs there). To add one: append a
+``Mutant``; ``tests/test_mutant_list.py`` checks every anchor against the current
+source, so a refactor cannot silently disable a mutant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to src/hybrid_kv_plugin/
+    anchor: str  # occurs exactly once in the file
+    replacement: str
+    tests: tuple[str, ...]  # pytest node ids; at least one must fail
+    wheels: tuple[str, ...]  # the .venvs/vllm-<wheel> environments to run them in
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the pytest run
+
+
+# The randomized suite's CI budget without hypothesis shrinking: a killed mutant fails fast.
+NO_SHRINK = (("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci-noshrink"),)
+
+
+FINE = "offload/fine_grained_scheduler.py"  # the 0.26-0.29 backport of fine-grained CPU hits
+CHECKERS = "tests/test_invariant_checkers.py"
+OFFLOAD = "tests/test_cpu_offload_behaviour.py"
+JUNCTION_OUTSIDE = "tests/test_junction_checkpoint.py::test_junction_outside_the_prompt_chunk_adds_nothing"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "cpu-copy-published-under-a-neighbours-keys",
+        FINE,
+        "        for cpu_block, record in zip(cpu_blocks, staged):\n",
+        # Each copy takes the keys of the next staged block of the same group (same block type).
+        "        same = lambda a, b: get_group_id(a.keys[0][0]) == get_group_id(b.keys[0][0])\n"
+        "        staged = [next((o for o in staged[i + 1 :] + staged[:i] if same(o, r)), r) for i, r in enumerate(staged)]\n"
+        "        for cpu_block, record in zip(cpu_blocks, staged):\n",
+        (f"{CHECKERS}::test_clean_cpu_tier_hit_checks_every_load_and_copy",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "junction-guard-past-prompt-or-computed-removed",
+        "junction/manager.py",
+        "                num_tokens == request.shared_prefix_boundary\n"
+        "                and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens\n",
+        "                num_tokens == request.shared_prefix_boundary\n",
+        (JUNCTION_OUTSIDE,),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "loads-placed-from-slot-0",
+        FINE,
+        "            first_slot = pending.local_tokens // size\n",
+        "            first_slot = 0\n",
+        (f"{OFFLOAD}::test_fine_grained_external_hit_mapping",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "junction-split-stops-past-the-prompt",
+        "junction/split.py",
+        "    if junction <= prompt:\n",
+        "    if junction:\n",
+        (JUNCTION_OUTSIDE,),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "staged-block-not-marked-in-flight",
+        FINE,
+        "        self._in_flight_store_gpu_blocks.add(block_id)\n",
+        "",
+        # A store completing late meets the block again: the "stored twice" invariant.
+        (
+            "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin-fa32]",
+            "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",
+        ),
+        ("0.29.0",),
+        NO_SHRINK,
+    ),
+    Mutant(
+        "pending-cpu-hit-pins-never-released",
+        FINE,
+        "        if pinned:\n            self.cpu_block_pool.free_blocks(pinned)\n",
+        "        pass\n",
+        (f"{CHECKERS}::test_clean_cpu_tier_hit_checks_every_load_and_copy",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "attention-partial-tail-store-dropped",
+        FINE,
+        "        if tail is not None and tail.block_id not in batch.gpu_block_ids and not batch.full:\n",
+        "        if False:\n",
+        (f"{OFFLOAD}::test_attention_partial_tail_stored_once",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "failed-loads-not-reported",
+        "sim/engine.py",
+        "            output.failed_recving = set(req_ids)\n",
+        "            pass\n",
+        ("tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",),
+        ("0.29.0", "0.33.0"),
+        NO_SHRINK,
+    ),
+    Mutant(
+        "prompt-tail-replay-position-one-unit-low",
+        "prompt_tail/policy.py",
+        "        return max((num_prompt_tokens - 1) // unit * unit - drop, 0)\n",
+        "        return max((num_prompt_tokens - 1) // unit * unit - drop - unit, 0)\n",
+        # 0.29-0.31 only: from 0.32 the wheel itself keeps this position (the plugin never places it).
+        ("tests/test_prompt_tail_checkpoint.py::test_replay_is_the_0_33_position",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "prompt-tail-both-keeps-only-one",
+        "prompt_tail/policy.py",
+        "            positions = {self.replay_position(num_prompt_tokens), self.continuation_position(num_prompt_tokens)}\n",
+        "            positions = {self.continuation_position(num_prompt_tokens)}\n",
+        ("tests/test_prompt_tail_checkpoint.py::test_both_serves_exact_replays_and_continuations",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "whole-block-boundary-handoff-dropped",
+        "patches/mamba_boundary_handoffs.py",
+        "            records.append((req_id, self.kv_cache_group_id, block, (index + 1) * self.block_size))\n",
+        "            pass\n",
+        (f"{OFFLOAD}::test_mamba_blocks_never_scanned_positionally",),
+        ("0.27.1",),
+    ),
+    Mutant(
+        "partial-state-boundary-handoff-dropped",
+        "patches/mamba_boundary_handoffs.py",
+        "                _records(self).append((request_id, self.kv_cache_group_id, cow_block, boundary))\n",
+        "                pass\n",
+        (f"{OFFLOAD}::test_fine_grained_external_hit_mapping",),
+        ("0.28.0",),
+    ),
+    Mutant(
+        "last-boundary-handoff-of-a-pass-not-published",
+        "patches/boundary_handoff_publish.py",
+        "        for req_id, group_id, block, boundary_tokens in take_handoffs(manager):\n",
+        "        for req_id, group_id, block, boundary_tokens in take_handoffs(manager)[:-1]:\n",
+        (f"{OFFLOAD}::test_fine_grained_external_hit_mapping",),
+        ("0.28.0",),
+    ),
+)
