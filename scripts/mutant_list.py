@@ -148,4 +148,31 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{OFFLOAD}::test_fine_grained_external_hit_mapping",),
         ("0.28.0",),
     ),
+    Mutant(
+        "output-checkpoint-stale-state-never-dropped",
+        "output_checkpoint/rolling.py",
+        "    for stale in [s for s in states if s.position < floor]:\n",
+        "    for stale in []:\n",
+        # Every crossed boundary then keeps a Mamba block: the one-state cost bound fails.
+        ("tests/test_output_checkpoint.py::test_cost_one_state_per_running_request_no_extra_step",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "output-checkpoint-last-step-hand-off-dropped",
+        "output_checkpoint/rolling.py",
+        "            _hand_off_last_step(manager, request, holder, num_tokens)\n",
+        "            pass\n",
+        # An answer ending on a unit boundary: the CPU tier falls back one unit.
+        ("tests/test_output_checkpoint.py::test_answer_ending_on_a_unit_boundary",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "output-checkpoint-state-one-unit-low",
+        "output_checkpoint/rolling.py",
+        "    key = keep_partial_state(manager, request, num_tokens, producer_holds_block)\n",
+        "    key = keep_partial_state(manager, request, num_tokens - checkpoint.hash_block_size, producer_holds_block)\n",
+        # The next turn's hit must be the answer's last boundary (352), CPU tier and GPU cache.
+        ("tests/test_output_checkpoint.py::test_cpu_tier_serves_the_previous_answer",),
+        ("0.29.0", "0.33.0"),
+    ),
 )
