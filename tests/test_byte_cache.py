@@ -158,3 +158,28 @@ def test_the_byte_check_can_be_turned_off(plugin, adapter):
     assert engine.byte_cache is None
     assert engine.run([("a", tokens(64))]) == {"a": 0}
     assert ByteStats() == ByteStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
+    """A finding of the byte check, pinned: FA 16 + Mamba 64 with CacheConfig.block_size 16 (the
+    simulator's geometry from 0.28; a real engine sets it to the Mamba block in align mode) lets a
+    128-token step budget run B's second chunk 112..160 across the 128 boundary. Its 128 slot keeps
+    the state after 112, which the Mamba manager caches as the state after 128; a later hit at 128
+    reads it. Counted apart, not a violation; on 0.26-0.27 (block_size 64) the chunk stops at 128."""
+    from hybrid_kv_plugin.sim import HybridGeometry
+
+    run = offload_engine(adapter, geometry=HybridGeometry(max_num_batched_tokens=128))
+    engine = run.engine
+    engine.add_request("a", tokens(278), max_tokens=1)
+    engine.step()
+    engine.step()
+    engine.add_request("b", tokens(167, offset=1000), max_tokens=1)
+    engine.run_until_idle()
+    chunks_of_b = [s.num_scheduled_tokens["b"] for s in engine.steps if "b" in s.num_scheduled_tokens]
+    hit = run.request(tokens(150, offset=1000))
+    cache = engine.byte_cache
+    assert cache.violations == []
+    if adapter.cache_block_size_is_mamba_block_size:
+        assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([64, 64, 39], 128, 0)
+    else:
+        assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([112, 48, 7], 128, 1)
