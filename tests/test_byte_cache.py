@@ -173,10 +173,10 @@ def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     engine.add_request("a", tokens(278), max_tokens=1)
     engine.step()
     engine.step()
-    engine.add_request("b", tokens(167, offset=1000), max_tokens=1)
+    engine.add_request("b", tokens(167, offset=500), max_tokens=1)
     engine.run_until_idle()
     chunks_of_b = [s.num_scheduled_tokens["b"] for s in engine.steps if "b" in s.num_scheduled_tokens]
-    hit = run.request(tokens(150, offset=1000))
+    hit = run.request(tokens(150, offset=500))
     cache = engine.byte_cache
     assert cache.violations == []
     if adapter.cache_block_size_is_mamba_block_size:
