@@ -160,6 +160,11 @@ def test_the_byte_check_can_be_turned_off(plugin, adapter):
     assert ByteStats() == ByteStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
+# Stock vLLM 0.26 (plugin or not) gives C a local hit at 144 whose Mamba slot is B's attention
+# block of tokens 160..167 (a finding of the byte check, not yet explained; see the report of #19).
+SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE = ("0.26.0",)
+
+
 def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     """A finding of the byte check, pinned: FA 16 + Mamba 64 with CacheConfig.block_size 16 (the
     simulator's geometry from 0.28; a real engine sets it to the Mamba block in align mode) lets a
@@ -176,10 +181,19 @@ def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     engine.add_request("b", tokens(167, offset=500), max_tokens=1)
     engine.run_until_idle()
     chunks_of_b = [s.num_scheduled_tokens["b"] for s in engine.steps if "b" in s.num_scheduled_tokens]
-    hit = run.request(tokens(150, offset=500))
     cache = engine.byte_cache
+    if adapter.version in SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE:
+        with pytest.raises(AssertionError, match="byte check violated"):
+            run.request(tokens(150, offset=500))
+        assert chunks_of_b == [64, 64, 32, 7]
+        assert cache.violations == [
+            "step 7: r0: Mamba state (group 1) read at token 144: 1 wrong: block 34 holds group 0 content up "
+            "to token 167, expected group 1 content up to token 144"
+        ]
+        return
+    hit = run.request(tokens(150, offset=500))
     assert cache.violations == []
     if adapter.cache_block_size_is_mamba_block_size:
-        assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([64, 64, 39], 128, 0)
+        assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([64, 64, 32, 7], 128, 0)
     else:
         assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([112, 48, 7], 128, 1)
