@@ -377,6 +377,8 @@ class _SegmentRun:
         engine = self.engine
         if isinstance(self.segment, TimedSegment):
             done, self.ttft_steps = run_timed(engine, self.segment, progress, done)
+            if engine.byte_cache is not None:  # run_timed steps itself, not through run_until_idle
+                engine.byte_cache.check()
             return done
         waves: dict[int, list[TraceRequest]] = {}
         for request in self.segment.requests:
