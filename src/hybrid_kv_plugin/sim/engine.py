@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_kv_plugin.sim import wheel
+from hybrid_kv_plugin.sim.byte_cache import ByteCache
 from hybrid_kv_plugin.sim.geometry import DRAFT_LAYER, HybridGeometry, build_kv_cache_config, build_vllm_config
 
 SAMPLED_TOKEN = 7
@@ -68,6 +69,12 @@ class TransferFate:
     fail: bool = False
 
 
+class _LoadRequests(list):
+    """The request ids of one load, carrying its event index for the byte cache."""
+
+    event: int = -1
+
+
 class SimEngine:
     def __init__(
         self,
@@ -80,6 +87,7 @@ class SimEngine:
         transfer_policy: TransferPolicy | None = None,
         scheduler_cls: type | None = None,
         configure: Callable[[Any], None] | None = None,
+        byte_check: bool = True,
     ):
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -124,6 +132,8 @@ class SimEngine:
         self._unfinished: set[str] = set()
         self.steps: list[StepRecord] = []
         self._observe_connector()
+        # The simulated worker's cache contents (sim/byte_cache.py); None: bookkeeping only.
+        self.byte_cache: ByteCache | None = ByteCache(self) if byte_check else None
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -188,6 +198,9 @@ class SimEngine:
             outcome = self.outcomes.get(new_request.req_id)
             if outcome is not None and outcome.hit_tokens is None:
                 outcome.hit_tokens = new_request.num_computed_tokens
+        if self.byte_cache is not None:
+            self.byte_cache.before_forward(scheduler_output)
+            self.byte_cache.forward(scheduler_output)
         req_ids, sampled = [], []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
@@ -210,11 +223,14 @@ class SimEngine:
         return record
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepRecord]:
+        """Step until idle; then the byte check's violations, if any, fail the run (all named)."""
         start = len(self.steps)
         while self.has_work():
             if len(self.steps) - start >= max_steps:
                 raise RuntimeError(f"scheduler did not go idle within {max_steps} steps")
             self.step()
+        if self.byte_cache is not None:
+            self.byte_cache.check()
         return self.steps[start:]
 
     def run(self, requests: Sequence[tuple[str, Sequence[int]]], max_tokens: int = 1) -> dict[str, int]:
@@ -234,15 +250,29 @@ class SimEngine:
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
         step = len(self.steps)
+        byte_cache = self.byte_cache
         if getattr(meta, "load_event", -1) >= 0:
             record.load_event = meta.load_event
-            reqs = meta.load_event_to_reqs.get(meta.load_event, [])
-            self.transfers._pending.append(self._issue(step, "load", list(reqs), meta))
+            reqs = _LoadRequests(meta.load_event_to_reqs.get(meta.load_event, []))
+            reqs.event = meta.load_event
+            if byte_cache is not None:
+                byte_cache.issue("load", meta.load_event, meta, reqs)
+            self.transfers._pending.append(self._issue(step, "load", reqs, meta))
         if getattr(meta, "store_event", -1) >= 0:
             record.store_event = meta.store_event
+            if byte_cache is not None:
+                byte_cache.issue("store", meta.store_event, meta)
             self.transfers._pending.append(self._issue(step, "store", meta.store_event, meta))
         due = [p for p in self.transfers._pending if p[0] <= step]
         self.transfers._pending = [p for p in self.transfers._pending if p[0] > step]
+        if byte_cache is not None:
+            # The bytes land when the worker reports the transfer done (a flush moved them earlier).
+            for _, kind, payload in due:
+                if kind == "store":
+                    byte_cache.complete(("store", payload))
+                else:
+                    reqs = payload if kind == "load" else payload[0]
+                    byte_cache.complete(("load", reqs.event), failed=kind == "failed_load")
         recving = {r for _, kind, reqs in due if kind == "load" for r in reqs}
         stores = {event: 1 for _, kind, event in due if kind == "store"}
         output = KVConnectorOutput(

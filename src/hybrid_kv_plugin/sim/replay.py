@@ -395,6 +395,8 @@ class _SegmentRun:
         engine = self.engine
         if isinstance(self.segment, TimedSegment):
             done, self.ttft_steps = run_timed(engine, self.segment, progress, done)
+            if engine.byte_cache is not None:  # run_timed steps itself, not through run_until_idle
+                engine.byte_cache.check()
         else:
             done = self._run_waves(progress, done)
         if self.invariants is not None:

@@ -13,8 +13,9 @@ the harness's operations; this module's command line runs a long seeded program:
     python -m hybrid_kv_plugin.sim.soak --steps 10000            # every variant
     python -m hybrid_kv_plugin.sim.soak --steps 2000 --variant plugin --seed 7
 
-and prints, per variant, the steps, requests, invariant checks and violations
-(exit status 1 when any invariant was violated).
+and prints, per variant, the steps, requests, invariant checks and violations,
+and the loads whose bytes the simulated worker verified with the byte check's own
+violations (counted in the violations too; exit status 1 when any invariant was violated).
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ class Counts:
     # Attention blocks stored while holding a partial prefix key (a prompt's last hash
     # boundary inside the block).
     partial_tails: int = 0
+    # The simulated worker's byte check (sim/byte_cache.py): loads whose bytes it
+    # verified, and its violations (also in ``FaultHarness.violations``).
+    byte_checked_loads: int = 0
+    byte_violations: int = 0
+    # Mamba states the geometry's off-grid chunking left stale (sim/byte_cache.py).
+    byte_off_grid_mamba_states: int = 0
 
     def add(self, other: Counts) -> None:
         for name in vars(self):
@@ -310,7 +317,15 @@ class FaultHarness:
 
     @property
     def violations(self) -> list[str]:
-        return self.invariants.violations
+        byte_cache = self.engine.byte_cache
+        return self.invariants.violations + (byte_cache.violations if byte_cache is not None else [])
+
+    def count_byte_check(self) -> None:
+        byte_cache = self.engine.byte_cache
+        if byte_cache is not None:
+            self.counts.byte_checked_loads = byte_cache.stats.loads
+            self.counts.byte_violations = len(byte_cache.violations)
+            self.counts.byte_off_grid_mamba_states = byte_cache.stats.off_grid_mamba_states
 
 
 # ---------------------------------------------------------------------- the soak program
@@ -339,6 +354,7 @@ def random_program(harness: FaultHarness, steps: int, rng: random.Random) -> Non
         else:
             harness.step(rng.randint(1, 8))
     harness.finish()
+    harness.count_byte_check()
 
 
 def soak(
@@ -374,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed |= bool(violations)
         print(
             f"soak vllm {adapter.version} {variant.name}: steps={counts.steps} requests={counts.requests} "
-            f"invariant_checks={checks} violations={len(violations)} | aborts={counts.aborts} "
+            f"invariant_checks={checks} violations={len(violations)} byte_checked_loads={counts.byte_checked_loads} "
+            f"byte_violations={counts.byte_violations} byte_off_grid_mamba_states={counts.byte_off_grid_mamba_states} "
+            f"| aborts={counts.aborts} "
             f"preemptions={counts.preemptions} loads={counts.loads} failed_loads={counts.failed_loads} "
             f"stores={counts.stores} gpu_resets={counts.gpu_resets} cpu_resets={counts.cpu_resets} "
             f"({time.monotonic() - started:.1f} s; {variant.describe()})",

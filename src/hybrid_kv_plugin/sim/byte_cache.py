@@ -1,0 +1,422 @@
+"""A simulated worker that moves bytes: content tags in GPU and CPU cache tensors.
+
+:class:`ByteCache` keeps one small int64 tensor per tier (the GPU KV cache and the
+SimpleCPU tier, indexed by block id like the wheel's one shared allocation that
+every KV-cache group overlays) and plays the model runner's side of each step:
+
+- it keeps the runner's own block table per request, built only from the scheduler
+  output (new requests, appended ``new_block_ids``, resumed requests replaced);
+- it zeroes ``new_block_ids_to_zero`` and applies ``kv_cache_block_copies`` (the
+  Mamba copy-on-write copies) before the forward pass, as ``_update_states`` does;
+- in ``align`` mode it copies a request's Mamba state from its previous state
+  block to block ``cdiv(seq_len, block) - 1`` before the forward pass and writes
+  the state after the chunk there, as ``preprocess_mamba`` and the model do;
+- the forward writes each attention slot with a tag of the token prefix it holds,
+  and each Mamba state block with a tag of the exact position it is the state after;
+- SimpleCPU loads and stores copy tags through exactly the block ids of the
+  connector metadata, when the worker reports them done (or at a preemption
+  flush); a failed load poisons its destination blocks.
+
+A tag is derived from the content only: a polynomial hash of the token ids up to
+its end position, the end position and the KV-cache group. Checks (violations are
+collected with step and request; :meth:`check` names them all):
+
+1. **Loads**: after a load completes, every loaded block holds the tag of the
+   prefix its position in the request says (attention: the slot's tokens up to the
+   hit; Mamba: the state after exactly the hit boundary, or the block's end when
+   a wheel loads earlier states too).
+2. **Reads**: before each chunk, what the forward pass reads holds the request's
+   own prefix: at a fresh hit (first chunk, resume) every attention slot below the
+   hit and the Mamba state at the hit; later, the partly filled slot and the state.
+3. **In-flight sources**: a transfer's source block did not change between the
+   step that issued it and its completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Tag layout (int64): the high 36 bits of a mixed prefix hash, 24 bits of end
+# position, 4 bits of KV-cache group. 0 is a zeroed block; -1 a failed load's.
+_END_BITS = 24
+_GROUP_BITS = 4
+_LOW_MASK = np.uint64((1 << (_END_BITS + _GROUP_BITS)) - 1)
+_BASE = np.uint64(0x100000001B3)  # odd multiplier of the token polynomial
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+ZEROED = 0
+POISONED = -1
+_MAX_END = (1 << _END_BITS) - 2
+
+
+class _Powers:
+    """BASE ** (i + 1) modulo 2**64, grown on demand."""
+
+    def __init__(self) -> None:
+        self.table = np.cumprod(np.full(4096, _BASE, dtype=np.uint64))
+
+    def get(self, start: int, stop: int) -> np.ndarray:
+        while len(self.table) < stop:
+            tail = self.table[-1] * np.cumprod(np.full(len(self.table), _BASE, dtype=np.uint64))
+            self.table = np.concatenate([self.table, tail])
+        return self.table[start:stop]
+
+
+class _Prefix:
+    """Hashes of a request's token prefixes: ``h[p]`` covers tokens ``[0, p)``."""
+
+    __slots__ = ("h",)
+
+    def __init__(self) -> None:
+        self.h = np.zeros(1, dtype=np.uint64)
+
+    def upto(self, tokens: Sequence[int], stop: int, powers: _Powers) -> np.ndarray:
+        known = len(self.h) - 1
+        if stop > known:
+            new = np.asarray(tokens[known:stop], dtype=np.uint64) + np.uint64(1)
+            sums = np.cumsum(new * powers.get(known, stop), dtype=np.uint64) + self.h[-1]
+            self.h = np.concatenate([self.h, sums])
+        return self.h
+
+
+def prefix_hashes(token_ids: Sequence[int]) -> np.ndarray:
+    """``h[p]`` for every prefix of ``token_ids`` (what a request holding them would get)."""
+    return _Prefix().upto(token_ids, len(token_ids), _Powers())
+
+
+def make_tags(prefix_hashes: np.ndarray, ends: np.ndarray, group: int) -> np.ndarray:
+    """The content tags of ``group`` blocks holding the prefixes ``[0, end)`` (int64)."""
+    ends = np.asarray(ends, dtype=np.int64)
+    if ends.size and int(ends.max()) > _MAX_END:
+        raise ValueError(f"the byte check encodes positions below {_MAX_END}; got {int(ends.max())}")
+    mixed = prefix_hashes[ends] * _MIX
+    mixed ^= mixed >> np.uint64(29)
+    mixed *= _MIX
+    low = (ends.astype(np.uint64) << np.uint64(_GROUP_BITS)) | np.uint64(group)
+    return ((mixed & ~_LOW_MASK) | low).view(np.int64)
+
+
+def describe(tag: int) -> str:
+    if tag == ZEROED:
+        return "zeroed"
+    if tag == POISONED:
+        return "a failed load's garbage"
+    end = (tag >> _GROUP_BITS) & ((1 << _END_BITS) - 1)
+    return f"group {tag & ((1 << _GROUP_BITS) - 1)} content up to token {end}"
+
+
+@dataclass
+class ByteStats:
+    """What the byte check verified (exact counts for tests and the soak)."""
+
+    loads: int = 0
+    loaded_tokens: int = 0  # sum of the hits of loaded requests beyond their local prefix
+    loaded_attention_blocks: int = 0
+    loaded_mamba_states: int = 0
+    fresh_hits: int = 0  # first chunks after a (re)allocation with a nonzero hit
+    hit_attention_slots: int = 0
+    hit_mamba_states: int = 0
+    chunks: int = 0
+    stores: int = 0
+    failed_loads: int = 0
+    # Mamba states of the request's own prefix at an earlier position of the same block,
+    # in a geometry whose chunk grid is finer than the Mamba block (see ByteCache).
+    off_grid_mamba_states: int = 0
+
+
+@dataclass
+class _Transfer:
+    kind: str  # "load" or "store"
+    src: Any  # torch index tensors (source tier ids, destination tier ids)
+    dst: Any
+    snapshot: Any
+    step: int
+    reqs: list[str] = field(default_factory=list)
+    hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (local, total) at issue
+    done: bool = False
+
+
+class ByteCache:
+    def __init__(self, engine: Any) -> None:
+        import torch
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.engine = engine
+        self.torch = torch
+        self.attention: list[tuple[int, int]] = []  # (group, block size)
+        self.mamba: list[tuple[int, int]] = []  # (group, block size), align mode only
+        managers = engine.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                # The runner indexes states by the spec's block; other modes keep
+                # states elsewhere, so only align is modelled.
+                if spec.mamba_cache_mode == "align":
+                    self.mamba.append((g, spec.block_size))
+            else:
+                # Tokens per block as the scheduler counts them (x DCP size).
+                self.attention.append((g, managers[g].block_size))
+        # Every real engine runs align mode with CacheConfig.block_size equal to the Mamba
+        # block (vLLM's platform sets it so), and the scheduler ends prefill chunks on that
+        # grid. A simulated geometry with a finer grid (FA 16 + Mamba 64 on 0.28+) lets a
+        # chunk run past a Mamba block boundary; the slot then keeps the state of the
+        # previous chunk end while the Mamba manager caches it as the boundary's. Such
+        # states are counted in ``stats.off_grid_mamba_states``, not as violations.
+        grid = engine.vllm_config.cache_config.block_size
+        self.off_grid = {g for g, bs in self.mamba if bs != grid}
+        unit = engine.hash_block_size
+        sizes = {bs for _, bs in self.attention}
+        # Attention blocks coarser than the prefix-match unit hold one tag per unit,
+        # so a hit (or a partial tail) inside a block is checked unit by unit.
+        self.slots = max(1, min(bs // unit if bs % unit == 0 else 1 for bs in sizes)) if sizes else 1
+        num_blocks = engine.kv_cache_config.num_blocks
+        self.gpu = torch.zeros((num_blocks, self.slots), dtype=torch.int64)
+        self.cpu = None
+        manager = engine.offload_manager
+        if manager is not None and hasattr(manager, "cpu_block_pool"):
+            self.cpu = torch.zeros((len(manager.cpu_block_pool.blocks), self.slots), dtype=torch.int64)
+        self.powers = _Powers()
+        self.prefixes: dict[str, _Prefix] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.mamba_state_idx: dict[str, int] = {}
+        self.next_position: dict[str, int] = {}
+        self.transfers: dict[tuple[str, int], _Transfer] = {}
+        self.violations: list[str] = []
+        self.stats = ByteStats()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _step(self) -> int:
+        return len(self.engine.steps)
+
+    def _hashes(self, req_id: str, stop: int) -> np.ndarray | None:
+        request = self.engine.scheduler.requests.get(req_id)
+        if request is None:
+            return None
+        prefix = self.prefixes.setdefault(req_id, _Prefix())
+        return prefix.upto(request.all_token_ids, stop, self.powers)
+
+    def _violation(self, text: str) -> None:
+        self.violations.append(f"step {self._step}: {text}")
+
+    def _compare(self, req_id: str, what: str, block_ids: list[int], slots: list[int], expected: np.ndarray,
+                 off_grid: tuple[np.ndarray, int, int] | None = None) -> None:
+        torch = self.torch
+        found = self.gpu[torch.tensor(block_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)].numpy()
+        wrong = np.nonzero(found != expected)[0]
+        if wrong.size and off_grid is not None and self._off_grid_state(int(found[0]), int(expected[0]), *off_grid):
+            self.stats.off_grid_mamba_states += 1
+            return
+        if wrong.size:
+            details = ", ".join(
+                f"block {block_ids[i]} holds {describe(int(found[i]))}, expected {describe(int(expected[i]))}"
+                + ("" if (int(found[i]) ^ int(expected[i])) & int(_LOW_MASK) else " (another prefix)")
+                for i in wrong[:4]
+            )
+            self._violation(f"{req_id}: {what}: {wrong.size} wrong: {details}")
+
+    def _off_grid_state(self, found: int, expected: int, h: np.ndarray, group: int, block_size: int) -> bool:
+        """``found`` is this prefix's state at an earlier position of the expected state's block."""
+        if group not in self.off_grid or found in (ZEROED, POISONED):
+            return False
+        end = (found >> _GROUP_BITS) & ((1 << _END_BITS) - 1)
+        want = (expected >> _GROUP_BITS) & ((1 << _END_BITS) - 1)
+        return (0 < end < want and (end - 1) // block_size == (want - 1) // block_size
+                and found == int(make_tags(h, np.array([end]), group)[0]))
+
+    # ------------------------------------------------------------------ the runner's step
+    def before_forward(self, scheduler_output: Any) -> None:
+        """Block tables, zeroing, copy-on-write copies and a preemption flush, in the runner's order."""
+        torch = self.torch
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.mamba_state_idx.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            self.mamba_state_idx.pop(new.req_id, None)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.tables[req_id] = [list(ids) for ids in new_ids]
+                self.mamba_state_idx.pop(req_id, None)
+            elif new_ids is not None:
+                for table, ids in zip(self.tables.setdefault(req_id, [[] for _ in new_ids]), new_ids):
+                    table.extend(ids)
+        zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if zero:
+            self.gpu[torch.tensor(list(zero), dtype=torch.int64)] = ZEROED
+        copies = getattr(scheduler_output, "kv_cache_block_copies", None)
+        if copies:
+            src = torch.tensor([c.src_block_id for c in copies], dtype=torch.int64)
+            dst = torch.tensor([c.dst_block_id for c in copies], dtype=torch.int64)
+            self.gpu[dst] = self.gpu[src]
+        meta = scheduler_output.kv_connector_metadata
+        if meta is not None and getattr(meta, "need_flush", False):
+            # The worker synchronizes every transfer before preempted blocks are reused.
+            for key in list(self.transfers):
+                self.complete(key)
+
+    def forward(self, scheduler_output: Any) -> None:
+        """Check what each scheduled chunk reads, then write what it computes."""
+        new = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        starts.update(new)
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            start = starts[req_id]
+            table = self.tables.get(req_id)
+            h = self._hashes(req_id, start + num_tokens)
+            if table is None or h is None:
+                self._violation(f"{req_id}: scheduled without a block table the runner knows")
+                continue
+            self.stats.chunks += 1
+            fresh = self.next_position.get(req_id) != start
+            if fresh and start > 0:
+                self.stats.fresh_hits += 1
+            for group, block_size in self.attention:
+                self._attention(req_id, table[group], group, block_size, start, num_tokens, h, fresh)
+            for group, block_size in self.mamba:
+                self._mamba(req_id, table[group], group, block_size, start, num_tokens, h, fresh)
+            self.next_position[req_id] = start + num_tokens
+
+    def _attention(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
+                   h: np.ndarray, fresh: bool) -> None:
+        per_slot = block_size // self.slots
+        # Reads: every slot below a fresh hit; else only the slot this chunk continues.
+        first_read = 0 if fresh else start // per_slot
+        read = np.arange(first_read, -(-start // per_slot), dtype=np.int64)
+        if read.size:
+            ends = np.minimum((read + 1) * per_slot, start)
+            blocks = [table[int(s) * per_slot // block_size] for s in read]
+            if fresh:
+                self.stats.hit_attention_slots += int(read.size)
+            self._compare(req_id, f"attention (group {group}) before tokens {start}..{start + num}",
+                          blocks, [int(s) % self.slots for s in read], make_tags(h, ends, group))
+        write = np.arange(start // per_slot, -(-(start + num) // per_slot), dtype=np.int64)
+        if not write.size:
+            return
+        index = write * per_slot // block_size
+        if int(index[-1]) >= len(table):
+            self._violation(f"{req_id}: tokens {start}..{start + num} have no attention block (table {len(table)})")
+            return
+        torch = self.torch
+        blocks = torch.tensor([table[int(i)] for i in index], dtype=torch.int64)
+        ends = np.minimum((write + 1) * per_slot, start + num)
+        self.gpu[blocks, torch.from_numpy(write % self.slots)] = torch.from_numpy(make_tags(h, ends, group))
+
+    def _mamba(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
+               h: np.ndarray, fresh: bool) -> None:
+        prev = self.mamba_state_idx.get(req_id)
+        if prev is None:
+            prev = (start - 1) // block_size
+        curr = -(-(start + num) // block_size) - 1
+        self.mamba_state_idx[req_id] = curr
+        if curr >= len(table) or (prev >= len(table)):
+            self._violation(f"{req_id}: Mamba state index {max(prev, curr)} beyond its table ({len(table)})")
+            return
+        if table[curr] == 0:
+            self._violation(f"{req_id}: Mamba state of tokens ..{start + num} would be written into the null block")
+            return
+        if prev != -1 and prev != curr:
+            self.gpu[table[curr]] = self.gpu[table[prev]]
+        if start > 0:
+            if fresh:
+                self.stats.hit_mamba_states += 1
+            self._compare(req_id, f"Mamba state (group {group}) read at token {start}", [table[curr]], [0],
+                          make_tags(h, np.array([start]), group), (h, group, block_size))
+        self.gpu[table[curr]] = int(make_tags(h, np.array([start + num]), group)[0])
+
+    def _forget(self, req_id: str) -> None:
+        for table in (self.tables, self.mamba_state_idx, self.next_position, self.prefixes):
+            table.pop(req_id, None)
+
+    # ------------------------------------------------------------------ SimpleCPU transfers
+    def issue(self, kind: str, event: int, meta: Any, reqs: Iterable[str] = ()) -> None:
+        """A transfer the worker was handed this step; its bytes move when it completes."""
+        torch = self.torch
+        if self.cpu is None:
+            return
+        if kind == "load":
+            src_ids, dst_ids = meta.load_cpu_blocks, meta.load_gpu_blocks
+            src_tier = self.cpu
+        else:
+            src_ids, dst_ids = meta.store_gpu_blocks, meta.store_cpu_blocks
+            src_tier = self.gpu
+        src = torch.tensor(list(src_ids), dtype=torch.int64)
+        dst = torch.tensor(list(dst_ids), dtype=torch.int64)
+        transfer = _Transfer(kind, src, dst, src_tier[src].clone(), self._step, list(reqs))
+        if kind == "load":
+            requests = self.engine.scheduler.requests
+            outcomes = self.engine.outcomes
+            for req_id in transfer.reqs:
+                if req_id in requests:
+                    total = requests[req_id].num_computed_tokens
+                    external = outcomes[req_id].external_tokens if req_id in outcomes else 0
+                    transfer.hits[req_id] = (total - external, total)
+        self.transfers[(kind, event)] = transfer
+
+    def complete(self, key: tuple[str, int], failed: bool = False) -> None:
+        """Move a transfer's bytes (``key``: its kind and event index); a failed load poisons."""
+        transfer = self.transfers.pop(key, None)
+        if transfer is None or transfer.done:
+            return
+        transfer.done = True
+        src_tier, dst_tier = (self.cpu, self.gpu) if transfer.kind == "load" else (self.gpu, self.cpu)
+        if failed:
+            self.stats.failed_loads += 1
+            dst_tier[transfer.dst] = POISONED
+            return
+        now = src_tier[transfer.src]
+        changed = (now != transfer.snapshot).any(dim=1).nonzero().flatten().tolist()
+        if changed:
+            where = "CPU" if transfer.kind == "load" else "GPU"
+            ids = [int(transfer.src[i]) for i in changed[:6]]
+            self._violation(f"{transfer.kind} issued at step {transfer.step}: source {where} blocks {ids} "
+                            f"changed while it was in flight")
+        dst_tier[transfer.dst] = now
+        if transfer.kind == "store":
+            self.stats.stores += 1
+            return
+        self.stats.loads += 1
+        self._check_load(transfer)
+
+    def _check_load(self, transfer: _Transfer) -> None:
+        loaded = set(transfer.dst.tolist())
+        manager = self.engine.scheduler.kv_cache_manager
+        for req_id, (local, hit) in transfer.hits.items():
+            if req_id not in self.engine.scheduler.requests:
+                continue  # aborted while loading: nothing reads these blocks
+            h = self._hashes(req_id, hit)
+            table = manager.get_block_ids(req_id)
+            self.stats.loaded_tokens += hit - local
+            for group, block_size in self.attention:
+                per_slot = block_size // self.slots
+                for index, block_id in enumerate(table[group]):
+                    if block_id not in loaded or index * block_size >= hit:
+                        continue
+                    slots = np.arange(index * self.slots, (index + 1) * self.slots, dtype=np.int64)
+                    slots = slots[slots * per_slot < hit]
+                    self.stats.loaded_attention_blocks += 1
+                    self._compare(req_id, f"loaded attention block {index} (group {group}, hit {hit})",
+                                  [block_id] * len(slots), [int(s) % self.slots for s in slots],
+                                  make_tags(h, np.minimum((slots + 1) * per_slot, hit), group))
+            for group, block_size in self.mamba:
+                for index, block_id in enumerate(table[group]):
+                    if block_id not in loaded or block_id == 0:
+                        continue
+                    self.stats.loaded_mamba_states += 1
+                    end = min((index + 1) * block_size, hit)
+                    if index * block_size >= hit:
+                        self._violation(f"{req_id}: a Mamba state loaded into position {index}, past the hit {hit}")
+                        continue
+                    self._compare(req_id, f"loaded Mamba state {index} (group {group}, hit {hit})",
+                                  [block_id], [0], make_tags(h, np.array([end]), group), (h, group, block_size))
+
+    # ------------------------------------------------------------------ verdict
+    def check(self) -> None:
+        assert not self.violations, "byte check violated (wrong KV or Mamba bytes):\n  " + "\n  ".join(self.violations)
