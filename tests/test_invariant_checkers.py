@@ -38,9 +38,14 @@ def feature(adapter):
 
 
 def _run(adapter, tamper=None) -> OffloadRun:
-    """The CPU-tier-hit engine; ``tamper(connector)`` wraps the connector before the checker does."""
+    """The CPU-tier-hit engine; ``tamper(connector)`` wraps the connector before the checker does.
+
+    A tampered run turns the byte check off: it would stop the run at the first wrong load,
+    before the checker under test sees the violation (test_byte_cache.py controls that check).
+    """
     engine = SimEngine(
-        HybridGeometry(), adapter=adapter, kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES}
+        HybridGeometry(), adapter=adapter, kv_connector=CONNECTOR_NAME,
+        kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES}, byte_check=tamper is None,
     )
     if tamper is not None:
         tamper(engine)
