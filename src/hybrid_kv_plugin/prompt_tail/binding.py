@@ -1,10 +1,10 @@
-"""One :class:`PromptTailPolicy` per scheduler, shared with its Mamba managers.
+"""One :class:`PromptTailPolicy` per scheduler, shared with its Mamba and full-attention managers.
 
 The value lives on the scheduler (``hybrid_kv_config``, validated before the stock
 constructor runs) while the managers are built inside that constructor, so the
 policy is bound (to the align Mamba managers and the full-attention ones) the first
-time the scheduler splits a prefill chunk - always
-before the first chunk it schedules is cached. Managers never bound (a
+time the scheduler splits a prefill chunk - always before the first chunk it
+schedules is cached. Managers never bound (a
 connector's CPU-side coordinator, a scheduler built without the plugin) keep the
 wheel's behaviour.
 """
