@@ -26,6 +26,8 @@ REMOVAL_NOTES = {
     "truncate_mamba_lookup": "0.28.0",
     "prompt_tail_split": "not yet (present up to 0.33.0)",
     "prompt_tail_manager": "not yet (present up to 0.33.0)",
+    "prompt_tail_retention": "not yet (present up to 0.33.0)",
+    "prompt_tail_attention": "not yet (present up to 0.33.0)",
     "output_checkpoint_bind": "not yet (present up to 0.33.0)",
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
@@ -90,23 +92,27 @@ PLANNED_BY_WHEEL = {
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",
-        "prompt_tail_manager", "output_checkpoint_bind", "output_checkpoint_manager", "async_load_liveness",
+        "prompt_tail_manager", "prompt_tail_attention", "output_checkpoint_bind", "output_checkpoint_manager", "async_load_liveness",
     ],
     "0.30.0": [
-        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "output_checkpoint_bind", "output_checkpoint_manager",
-        "async_load_liveness",
+        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
+        "output_checkpoint_bind",
+        "output_checkpoint_manager", "async_load_liveness",
     ],
     "0.31.0": [
-        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "output_checkpoint_bind", "output_checkpoint_manager",
-        "async_load_liveness",
+        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
+        "output_checkpoint_bind",
+        "output_checkpoint_manager", "async_load_liveness",
     ],
     "0.32.0": [
-        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "output_checkpoint_bind", "output_checkpoint_manager",
-        "async_load_liveness",
+        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
+        "output_checkpoint_bind",
+        "output_checkpoint_manager", "async_load_liveness",
     ],
     "0.33.0": [
-        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "output_checkpoint_bind", "output_checkpoint_manager",
-        "offload_has_connector", "async_load_liveness",
+        "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
+        "output_checkpoint_bind",
+        "output_checkpoint_manager", "offload_has_connector", "async_load_liveness",
     ],
 }
 

@@ -13,7 +13,7 @@ import pytest
 
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-from hybrid_kv_plugin.sim.prompt_tail_scenarios import CONTINUED, EXACT, cold_replay, tail_engine
+from hybrid_kv_plugin.sim.prompt_tail_scenarios import CONTINUED, EXACT, cold_replay, gpu_replay, tail_engine
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 
 from helpers import tokens
@@ -151,7 +151,7 @@ def test_old_wheels_refuse_non_native(plugin, adapter):
         policy = getattr(run.engine.scheduler, SCHEDULER_POLICY_ATTR)
         assert (policy.mode, sorted(policy.kept(336))) == ("both", [320, 336])
         managers = run.engine.scheduler.kv_cache_manager.coordinator.single_type_managers
-        assert [getattr(m, MANAGER_POLICY_ATTR, None) is policy for m in managers] == [False, True]
+        assert [getattr(m, MANAGER_POLICY_ATTR, None) is policy for m in managers] == [True, True]
         return
     for value in ("replay", "both"):
         with pytest.raises(PluginConfigError) as refused:
@@ -177,3 +177,56 @@ def test_both_under_eagle_shifts_as_the_wheel_does(plugin, adapter):
     geometry = HybridGeometry(eagle=True, extra_speculative_config=eagle_block_drop_options(adapter))
     assert _row(adapter, "both", EXACT, geometry) == EAGLE_BOTH[adapter.version][EXACT]
     assert _row(adapter, "both", CONTINUED, geometry) == EAGLE_BOTH[adapter.version][CONTINUED]
+
+
+# The real engine's geometry (tests/engine: attention block 32; align mode sets the Mamba
+# block to it; prefix-match unit 16; vLLM's default prefix_cache_retention_interval 0).
+ENGINE = HybridGeometry(
+    attention_block_size=32, mamba_block_size=32, hash_block_size=16, prefix_cache_retention_interval=0
+)
+ENGINE_PROMPTS = (336, 448)
+# (exact, continuation) per prompt, served from the CPU tier after a GPU reset, on every
+# wheel 0.29-0.33. 448 is a Mamba block end: its state at N is a full block, which
+# retention 0 keeps only because patch prompt_tail_retention (0.30+) names it (before:
+# continuation 432 on 0.30-0.33). 336 and 432 lie inside a 32-token attention block, which
+# the wheel keys at one tail position only; patch prompt_tail_attention keys the other
+# (before: continuation of 336 -> 320 on 0.32+, exact replay of 448 -> 0 on 0.29-0.31).
+# 0.29 (no replay_boundaries, no retention patch yet) still loses the block at 448: 432.
+# native on 0.32+: the <= N-1 state serves both kinds.
+ENGINE_BOTH = {336: (320, 336), 448: (432, 448)}
+ENGINE_NATIVE_NEW = {336: (320, 320), 448: (432, 432)}
+
+
+def test_engine_geometry_both(plugin, adapter):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    measured = {n: tuple(cold_replay(adapter, "both", tokens(n), kind, ENGINE).hit for kind in (EXACT, CONTINUED))
+                for n in ENGINE_PROMPTS}
+    on_grid_continuation = 448 if adapter.mamba_retention_keeps_replay_boundaries else 432
+    assert measured == {**ENGINE_BOTH, 448: (432, on_grid_continuation)}
+
+
+def test_engine_geometry_native_on_new_wheels(plugin, adapter):
+    if adapter.version not in NEW_WHEELS:
+        pytest.skip("the 0.32+ native row (0.29-0.31 keep N; covered by test_native_is_the_wheel_row)")
+    measured = {n: tuple(cold_replay(adapter, "native", tokens(n), kind, ENGINE).hit for kind in (EXACT, CONTINUED))
+                for n in ENGINE_PROMPTS}
+    assert measured == ENGINE_NATIVE_NEW
+
+
+# With A's blocks still on the GPU: (hit, the part of it the CPU tier added) per kind. The
+# wheel's GPU lookup stops one unit short of some sub-block states the connector then
+# completes (0.32 native 448: (432, 16) too).
+ENGINE_BOTH_GPU = {336: ((320, 0), (336, 16)), 448: ((432, 16), (448, 0))}
+
+
+def test_engine_geometry_both_without_a_gpu_reset(plugin, adapter):
+    """The continuation at N = 448 is served by the GPU prefix cache alone (nothing from the CPU tier)."""
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    measured = {n: tuple(gpu_replay(adapter, "both", tokens(n), kind, ENGINE) for kind in (EXACT, CONTINUED))
+                for n in ENGINE_PROMPTS}
+    if adapter.mamba_retention_keeps_replay_boundaries:
+        assert measured == ENGINE_BOTH_GPU
+    else:
+        assert measured == {**ENGINE_BOTH_GPU, 448: ((432, 16), (432, 16))}

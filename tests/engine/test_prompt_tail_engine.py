@@ -13,15 +13,13 @@ test_engine_outputs.py does: exact replays bit for bit, continuations tokens equ
 logprobs within its tolerance (their cached prefill starts at the hit, the uncached
 one at token 0).
 
-What this engine does NOT serve (measured; the simulator, FA 16 + Mamba 64 and dense
-Mamba retention, does): the continuation from the state at N. It lands on the <= N-1
-state, as natively, because
-- N = 336 is off the 32-token attention grid: the attention block holding 336 carries
-  no partial key there (only at the wheel's own tail position, 320), so attention
-  caps the hit at 320;
-- N = 448 is a Mamba block end: the engine runs vLLM's default
-  ``prefix_cache_retention_interval`` 0 (keep only the wheel's replay boundaries), so
-  the block ending at 448 is never hashed, cached or offered to the connector.
+The continuation is served from the state at N (measured; the simulator pins the same
+numbers in test_prompt_tail_checkpoint.py with this geometry):
+- N = 336 lies inside a 32-token attention block, which the wheel keys only at its own
+  tail position (320); patch prompt_tail_attention keys it at 336 too;
+- N = 448 is a Mamba block end: under vLLM's default ``prefix_cache_retention_interval``
+  0 the wheel keeps only its replay boundaries, so the block ending at 448 would never be
+  hashed, cached or offered to the connector; patch prompt_tail_retention names it.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from test_engine_outputs import CONTINUATION_LOGPROB_TOLERANCE, continuation_of,
 # and 336 (off it); 448 -> 432 (off) and 448 (on). num_cached_tokens per phase, measured.
 LENGTHS = (336, 448)
 EXPECTED_HITS = {
-    336: {"cold": 0, "gpu": 320, "exact": 320, "continuation": 320},
-    448: {"cold": 0, "gpu": 432, "exact": 432, "continuation": 432},
+    336: {"cold": 0, "gpu": 320, "exact": 320, "continuation": 336},
+    448: {"cold": 0, "gpu": 432, "exact": 432, "continuation": 448},
 }
 
 

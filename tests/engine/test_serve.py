@@ -43,7 +43,10 @@ STOP_TIMEOUT_S = 60
 EXPECTED_SAVE_OUTCOMES = {"stored": 6, "skipped_already_cached": 6}
 # Process name as vLLM prefixes its log lines -> the patches that process installed.
 EXPECTED_ACTIVE_LINES = {
-    "EngineCore": "scheduler_plugin_config, prompt_tail_split, prompt_tail_manager, async_load_liveness",
+    "EngineCore": (
+        "scheduler_plugin_config, prompt_tail_split, prompt_tail_manager, prompt_tail_retention, "
+        "prompt_tail_attention, output_checkpoint_bind, output_checkpoint_manager, async_load_liveness"
+    ),
     "VllmWorker-0": "none",
 }
 

@@ -100,6 +100,10 @@ class VllmAdapter:
     native_prompt_tail_keeps_replay_position: ClassVar[bool] = False
     native_prompt_tail_eagle_shift: ClassVar[bool] = False
     mamba_partial_tail_producer_holds_block: ClassVar[bool] = False
+    # Under sparse prefix-cache retention the Mamba manager keeps a full block's state only at
+    # the positions its ``cache_blocks`` receives as ``replay_boundaries`` (0.30+); the
+    # prompt_tail_retention patch adds the kept prompt-tail positions there.
+    mamba_retention_keeps_replay_boundaries: ClassVar[bool] = False
     # mamba_output_checkpoint (hybrid_kv_plugin.output_checkpoint): built on the wheel's own Mamba
     # boundary hand-off channel (0.29+). 0.26-0.28 run the plugin's replacement channel
     # (patch mamba_boundary_handoffs), which the feature does not cover yet: refused there.

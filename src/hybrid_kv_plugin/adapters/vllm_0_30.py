@@ -23,6 +23,8 @@ class Vllm030Adapter(Vllm029Adapter):
     # The Mamba manager's prompt tail sits one unit lower under EAGLE block drop, switch or not.
     native_prompt_tail_eagle_shift = True
     mamba_partial_tail_producer_holds_block = True
+    # MambaManager.cache_blocks(..., replay_boundaries=...): retention 0 keeps only those.
+    mamba_retention_keeps_replay_boundaries = True
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)

@@ -11,8 +11,12 @@ Pieces:
 * :mod:`.policy` - the positions of each value (:class:`PromptTailPolicy`);
 * :mod:`.binding` - one policy per scheduler, handed to its Mamba managers;
 * :mod:`.state` - keeping a partial Mamba state at an added position;
-* patches ``prompt_tail_split`` (end a chunk there) and ``prompt_tail_manager``
-  (keep the state found there, drop a native one the value does not keep).
+* :mod:`.retention` - the positions sparse prefix-cache retention must keep;
+* :mod:`.attention` - attention partial keys at the kept positions;
+* patches ``prompt_tail_split`` (end a chunk there), ``prompt_tail_manager``
+  (keep the state found there, drop a native one the value does not keep),
+  ``prompt_tail_retention`` (retention keeps a kept full Mamba block) and
+  ``prompt_tail_attention`` (the attention group reaches each kept position).
 """
 
 from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, policy_of

@@ -1,9 +1,10 @@
-"""One :class:`PromptTailPolicy` per scheduler, shared with its Mamba managers.
+"""One :class:`PromptTailPolicy` per scheduler, shared with its Mamba and full-attention managers.
 
 The value lives on the scheduler (``hybrid_kv_config``, validated before the stock
 constructor runs) while the managers are built inside that constructor, so the
-policy is bound the first time the scheduler splits a prefill chunk - always
-before the first chunk it schedules is cached. Managers never bound (a
+policy is bound (to the align Mamba managers and the full-attention ones) the first
+time the scheduler splits a prefill chunk - always before the first chunk it
+schedules is cached. Managers never bound (a
 connector's CPU-side coordinator, a scheduler built without the plugin) keep the
 wheel's behaviour.
 """
@@ -53,7 +54,10 @@ def _bind(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
         native_eagle_shift=adapter.native_prompt_tail_eagle_shift,
     )
     setattr(scheduler, SCHEDULER_POLICY_ATTR, policy)
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
     for manager in coordinator.single_type_managers:
-        if getattr(manager, "mamba_cache_mode", None) == "align":
+        # Exactly full attention: its subclasses (sliding, ring, sparse) free or reuse blocks.
+        if getattr(manager, "mamba_cache_mode", None) == "align" or type(manager) is FullAttentionManager:
             setattr(manager, MANAGER_POLICY_ATTR, policy)
     return policy

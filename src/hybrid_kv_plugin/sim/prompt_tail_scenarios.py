@@ -74,3 +74,17 @@ def mamba_states_held(engine: SimEngine) -> int:
         1 for block in engine.gpu_block_pool.blocks
         if block.block_hash is not None and get_group_id(block.block_hash) in mamba_groups
     )
+
+
+def gpu_replay(
+    adapter: Any, mode: str, prompt: Sequence[int], kind: str, geometry: HybridGeometry | None = None,
+    max_tokens: int = 4,
+) -> tuple[int, int]:
+    """Request A, then C with A's blocks still on the GPU: C's (hit, CPU-tier part of it)."""
+    run = tail_engine(adapter, mode, geometry)
+    run.request(prompt, max_tokens=max_tokens)
+    replay = list(prompt) if kind == EXACT else [*prompt, *CONTINUATION]
+    req_id = "gpu-replay"
+    hit = run.engine.run([(req_id, replay)], max_tokens=1)[req_id]
+    run.invariants.check()
+    return hit, run.external_tokens(req_id)

@@ -1,0 +1,63 @@
+"""Patch ``MambaManager.cache_blocks``: sparse retention keeps the prompt-tail states the policy names.
+
+Why: with ``prefix_cache_retention_interval`` 0 (the engine default from vLLM
+0.30) the Mamba manager hashes a full block only at the ``replay_boundaries`` the
+coordinator passes (``N - 1`` without EAGLE). ``prompt_tail_checkpoint=both``
+keeps a state at N too; when N is a Mamba block end that state is a full block,
+so retention drops it and a continuation of the prompt lands one unit lower.
+
+What it changes: for a Mamba manager bound to a non-native policy
+(:mod:`hybrid_kv_plugin.prompt_tail.binding`), ``replay_boundaries`` also holds the
+positions the policy keeps for the request's prompt
+(:func:`hybrid_kv_plugin.prompt_tail.retention.retained_boundaries`); the stock
+method then retains, hashes and offers those blocks to a connector itself. With
+dense retention (``None``), an unbound manager or policy ``native`` the call is
+unchanged. No model-runner change: the state at N is the one the prompt's last
+chunk wrote into the block ending there.
+
+Upstream: none (vLLM keeps only its own replay boundaries); installed on
+0.30.0-0.33.x, where ``cache_blocks`` takes ``replay_boundaries``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
+from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
+from hybrid_kv_plugin.prompt_tail.retention import retained_boundaries
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager.cache_blocks"
+PARAMS = ("self", "request", "num_tokens", "retention_interval", "replay_boundaries")
+INSTALLS = Installs(
+    when=lambda adapter: adapter.prompt_tail_checkpoint_supported and adapter.mamba_retention_keeps_replay_boundaries,
+    since="0.30.0",
+)
+
+
+def spec(adapter: VllmAdapter) -> PatchSpec:
+    return PatchSpec(
+        name="prompt_tail_retention",
+        target=TARGET,
+        fingerprint=Fingerprint(params=PARAMS, exact=True),
+        build=_wrap,
+        why="keep the prompt-tail Mamba states prompt_tail_checkpoint names under sparse retention",
+        upstream="none (vLLM retains only its own replay boundaries)",
+    )
+
+
+def _wrap(original: Any) -> Any:
+    @functools.wraps(original)
+    def cache_blocks(
+        self: Any, request: Any, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries: Any
+    ) -> None:
+        policy = self.__dict__.get(MANAGER_POLICY_ATTR)
+        if policy is not None and retention_interval is not None:
+            replay_boundaries = retained_boundaries(policy, request.num_prompt_tokens, replay_boundaries)
+        return original(self, request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+
+    return cache_blocks
