@@ -99,3 +99,12 @@ STEPS = {
     "0.32.0": (36, 36, 35),
     "0.33.0": (36, 36, 35),
 }
+
+
+
+# A finding of the byte check (sim/byte_cache.py), not yet explained (the simulator's model of
+# this wheel's runner, or vLLM itself): on vLLM 0.26, stock connector or plugin, a prefix hit's
+# Mamba slot can hold another block's content (in the randomized suite: stock 297 violations,
+# plugin 169, plugin-lazy 177, plugin-fa32 192 on the CI profile). Pinned in test_byte_cache.py;
+# the randomized suite runs there without the byte check (every other invariant still runs).
+SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE = ("0.26.0",)

@@ -13,7 +13,7 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.sim.byte_cache import describe, make_tags, prefix_hashes
 from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, offload_engine
 
-from helpers import tokens
+from helpers import SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE, tokens
 
 # The CPU-tier hit of A's prompt 352 + 3 tokens (tests/test_cpu_offload_table.py): the
 # prompt-tail Mamba state sits at 352 up to 0.31 and at 336 (last boundary <= N-1) from 0.32.
@@ -159,9 +159,6 @@ def test_the_byte_check_can_be_turned_off(plugin, adapter):
     assert engine.run([("a", tokens(64))]) == {"a": 0}
 
 
-# Stock vLLM 0.26 (plugin or not) gives C a local hit at 144 whose Mamba slot is B's attention
-# block of tokens 160..167 (a finding of the byte check, not yet explained; see the report of #19).
-SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE = ("0.26.0",)
 
 
 def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):

@@ -35,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
+from helpers import SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE
 from hybrid_kv_plugin.sim.soak import (
     FAMILIES,
     MAX_LIVE_REQUESTS,
@@ -120,7 +121,10 @@ class FaultMachine(RuleBasedStateMachine):
         fail_rate=st.sampled_from((0.25, 0.5)),
     )
     def start(self, seed, max_delay, fail_rate):
-        self.harness = FaultHarness(self.adapter, self.variant, seed=seed)
+        self.harness = FaultHarness(
+            self.adapter, self.variant, seed=seed,
+            byte_check=self.adapter.version not in SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE,
+        )
         self.tally.sides.add(self.harness.scheduler_side)
         # A warm CPU tier: every family's longest prefix stored, then evicted from the GPU.
         # 24 own tokens: the prompt's last hash boundary (272) is inside a 32-token attention block.

@@ -174,6 +174,8 @@ class FaultHarness:
     plugin_options: dict[str, Any] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
     counts: Counts = field(default_factory=Counts)
+    # The simulated worker's byte check (sim/byte_cache.py); on unless a caller opts out.
+    byte_check: bool = True
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -199,6 +201,7 @@ class FaultHarness:
             additional_config=self._additional_config(),
             transfer_policy=TransferPolicy(fate=self._fate),
             configure=self._configure,
+            byte_check=self.byte_check,
         )
         self.invariants = StepInvariants(self.engine)
         self._stores_seen = 0
