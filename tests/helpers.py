@@ -106,5 +106,10 @@ STEPS = {
 # this wheel's runner, or vLLM itself): on vLLM 0.26, stock connector or plugin, a prefix hit's
 # Mamba slot can hold another block's content (in the randomized suite: stock 297 violations,
 # plugin 169, plugin-lazy 177, plugin-fa32 192 on the CI profile). Pinned in test_byte_cache.py;
-# the randomized suite runs there without the byte check (every other invariant still runs).
+# SimEngine runs this wheel without the byte check by default (sim/wheel.py byte_check_models).
 SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE = ("0.26.0",)
+
+# The plugin-fa32 randomized variant (attention block 32 over a 16-token unit) trips vLLM 0.26's
+# `assert block_idx < len(req_blocks)` in MambaManager._apply_cow (reached through the plugin's
+# boundary hand-off backport) - an open bug, kept as a strict expected failure until fixed.
+FA32_COW_ASSERTION = ("0.26.0",)

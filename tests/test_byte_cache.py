@@ -62,7 +62,7 @@ def test_tags_name_their_content():
 
 
 def test_correct_cpu_tier_replay_checks_every_loaded_byte(plugin, adapter):
-    run = offload_engine(adapter)
+    run = offload_engine(adapter, byte_check=True)
     hit = cpu_tier_hit(run, tokens(352))
     expected = HIT_352.get(adapter.version, 352)
     assert hit == expected
@@ -83,7 +83,7 @@ def _what(violations: list[str]) -> list[str]:
 
 
 def test_a_load_into_the_neighbours_block_is_caught(plugin, adapter):
-    run = offload_engine(adapter)
+    run = offload_engine(adapter, byte_check=True)
     run.request(tokens(352), max_tokens=4)
     assert run.engine.reset_prefix_cache()
     swapped = _corrupt_metadata(run, "load_cpu_blocks")
@@ -111,7 +111,7 @@ STORES_ATTENTION_FIRST = ("0.26.0", "0.27.1")
 def test_a_store_into_the_neighbours_cpu_block_is_caught(plugin, adapter):
     """The scheduler publishes each copy under its source's keys; the worker wrote the first two
     the other way round (what a copy published under a neighbour's keys looks like)."""
-    run = offload_engine(adapter)
+    run = offload_engine(adapter, byte_check=True)
     _corrupt_metadata(run, "store_cpu_blocks")
     run.request(tokens(352), max_tokens=4)
     assert run.engine.reset_prefix_cache()
@@ -137,7 +137,7 @@ def test_a_store_into_the_neighbours_cpu_block_is_caught(plugin, adapter):
 
 def test_a_local_prefix_hit_on_a_lost_block_is_caught(plugin, adapter):
     """The GPU prefix cache serves a block whose bytes are gone: the first chunk's read check fires."""
-    run = offload_engine(adapter)
+    run = offload_engine(adapter, byte_check=True)
     run.request(tokens(128), max_tokens=1)
     cache = run.engine.byte_cache
     pool = run.engine.gpu_block_pool
@@ -169,7 +169,7 @@ def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     reads it. Counted apart, not a violation; on 0.26-0.27 (block_size 64) the chunk stops at 128."""
     from hybrid_kv_plugin.sim import HybridGeometry
 
-    run = offload_engine(adapter, geometry=HybridGeometry(max_num_batched_tokens=128))
+    run = offload_engine(adapter, geometry=HybridGeometry(max_num_batched_tokens=128), byte_check=True)
     engine = run.engine
     engine.add_request("a", tokens(278), max_tokens=1)
     engine.step()

@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
-from helpers import SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE
+from helpers import FA32_COW_ASSERTION
 from hybrid_kv_plugin.sim.soak import (
     FAMILIES,
     MAX_LIVE_REQUESTS,
@@ -121,10 +121,7 @@ class FaultMachine(RuleBasedStateMachine):
         fail_rate=st.sampled_from((0.25, 0.5)),
     )
     def start(self, seed, max_delay, fail_rate):
-        self.harness = FaultHarness(
-            self.adapter, self.variant, seed=seed,
-            byte_check=self.adapter.version not in SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE,
-        )
+        self.harness = FaultHarness(self.adapter, self.variant, seed=seed)
         self.tally.sides.add(self.harness.scheduler_side)
         # A warm CPU tier: every family's longest prefix stored, then evicted from the GPU.
         # 24 own tokens: the prompt's last hash boundary (272) is inside a 32-token attention block.
@@ -210,7 +207,9 @@ def expected_floors(adapter, variant) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_randomized_faults_keep_invariants(plugin, adapter, summary, name):
+def test_randomized_faults_keep_invariants(request, plugin, adapter, summary, name):
+    if name == "plugin-fa32" and adapter.version in FA32_COW_ASSERTION:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="open bug: see helpers.FA32_COW_ASSERTION"))
     variant = next((v for v in variants(adapter) if v.name == name), None)
     if variant is None:
         pytest.skip(f"vLLM {adapter.version} offers no variant {name!r} (prompt_tail_checkpoint and mamba_output_checkpoint need 0.29+)")

@@ -87,7 +87,7 @@ class SimEngine:
         transfer_policy: TransferPolicy | None = None,
         scheduler_cls: type | None = None,
         configure: Callable[[Any], None] | None = None,
-        byte_check: bool = True,
+        byte_check: bool | None = None,
     ):
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -133,6 +133,8 @@ class SimEngine:
         self.steps: list[StepRecord] = []
         self._observe_connector()
         # The simulated worker's cache contents (sim/byte_cache.py); None: bookkeeping only.
+        if byte_check is None:
+            byte_check = wheel.byte_check_models(adapter)
         self.byte_cache: ByteCache | None = ByteCache(self) if byte_check else None
 
     # ------------------------------------------------------------------ accessors

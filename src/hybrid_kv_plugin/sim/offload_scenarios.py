@@ -44,6 +44,7 @@ def offload_engine(
     geometry: HybridGeometry | None = None,
     extra: dict[str, Any] | None = None,
     configure: Callable[[Any], None] | None = None,
+    byte_check: bool | None = None,
 ) -> OffloadRun:
     engine = SimEngine(
         geometry or HybridGeometry(),
@@ -51,6 +52,7 @@ def offload_engine(
         kv_connector=connector,
         kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES, **(extra or {})},
         configure=configure,
+        byte_check=byte_check,
     )
     return OffloadRun(engine, OffloadInvariants(engine), itertools.count())
 

@@ -174,8 +174,8 @@ class FaultHarness:
     plugin_options: dict[str, Any] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
     counts: Counts = field(default_factory=Counts)
-    # The simulated worker's byte check (sim/byte_cache.py); on unless a caller opts out.
-    byte_check: bool = True
+    # The simulated worker's byte check (sim/byte_cache.py); None: where the simulator models the wheel.
+    byte_check: bool | None = None
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)

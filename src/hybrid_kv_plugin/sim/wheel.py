@@ -132,3 +132,14 @@ def boundary_handoffs(adapter: VllmAdapter, scheduler_output: Any) -> dict[str, 
         req_id: [num_tokens for _group, _block, num_tokens in entries]
         for req_id, entries in block_state.boundary_state_offloads.items()
     }
+
+
+def byte_check_models(adapter: Any) -> bool:
+    """Whether :mod:`sim.byte_cache`'s model of where the runner keeps Mamba states holds here.
+
+    Not on a wheel whose Mamba manager does not track partial-tail producers (0.26): there
+    the byte check reads zeroed or foreign blocks as hit states in replay, bench and the
+    randomized suite, stock connector and plugin alike - a finding not yet explained (the
+    model or vLLM). Until it is, ``SimEngine`` runs such wheels without it by default.
+    """
+    return bool(adapter.mamba_tracks_partial_tail_producers)
