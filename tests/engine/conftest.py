@@ -45,3 +45,13 @@ def llm(model_dir):
     engine = build_llm(model_dir, ENGINE_GEOMETRY)
     yield engine
     engine.llm_engine.engine_core.shutdown()
+
+
+# Modules that build their own in-process engine run first: shutting an in-process engine down
+# tears down vLLM's process-wide parallel groups, which the shared `llm` engine (built lazily,
+# after them) would otherwise lose mid-session.
+OWN_ENGINE_MODULES = ("test_prompt_tail_engine.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in OWN_ENGINE_MODULES)
