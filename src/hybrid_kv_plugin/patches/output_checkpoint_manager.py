@@ -38,17 +38,15 @@ from typing import TYPE_CHECKING, Any
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR
 from hybrid_kv_plugin.output_checkpoint.rolling import at_output_boundary, note_copies
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.patches.prompt_tail_manager import PARAMS, TARGET
+from hybrid_kv_plugin.prompt_tail.state import KEEP_PARTIAL_STATE_READS
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager._cache_partial_tail_block"
-PARAMS = ("self", "request", "num_tokens")
-# What the rolling keep touches on the manager; the stock method touches them too.
-READS = frozenset(
-    {"block_pool", "block_size", "kv_cache_group_id", "req_to_blocks", "_partial_hit_reqs", "num_cached_block",
-     "_producer_partial_tail_reqs"}
-)
+# TARGET, PARAMS: the same method as prompt_tail_manager (installed after it, so it wraps it).
+# The rolling keep goes through keep_partial_state.
+READS = KEEP_PARTIAL_STATE_READS
 INSTALLS = Installs(when=lambda adapter: adapter.output_checkpoint_supported, since="0.29.0")
 
 

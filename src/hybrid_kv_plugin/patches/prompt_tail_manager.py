@@ -27,18 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
-from hybrid_kv_plugin.prompt_tail.state import keep_partial_state
+from hybrid_kv_plugin.prompt_tail.state import KEEP_PARTIAL_STATE_READS, keep_partial_state
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager._cache_partial_tail_block"
 PARAMS = ("self", "request", "num_tokens")
-# What keep_partial_state touches; the stock method must touch them too (same meaning).
-READS = frozenset(
-    {"block_pool", "block_size", "kv_cache_group_id", "req_to_blocks", "_partial_hit_reqs", "num_cached_block",
-     "_producer_partial_tail_reqs"}
-)
+READS = KEEP_PARTIAL_STATE_READS
 # Installed together with ``prompt_tail_split``.
 INSTALLS = Installs(when=lambda adapter: adapter.prompt_tail_checkpoint_supported, since="0.29.0")
 

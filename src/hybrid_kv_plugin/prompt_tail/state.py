@@ -15,6 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# The manager attributes keep_partial_state touches; a patch calling it fingerprints these
+# (the stock partial-tail method must touch them too, with the same meaning).
+KEEP_PARTIAL_STATE_READS = frozenset(
+    {"block_pool", "block_size", "kv_cache_group_id", "req_to_blocks", "_partial_hit_reqs", "num_cached_block",
+     "_producer_partial_tail_reqs"}
+)
+
 
 def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_holds_block: bool) -> Any:
     """Register the state after ``num_tokens`` tokens; the prefix-cache key, or None if not kept.
