@@ -27,18 +27,17 @@ flag there).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction import junction_stop, plan_of
 from hybrid_kv_plugin.adapters.capabilities import Feature
+from hybrid_kv_plugin.chunk_stop import SPLIT_PARAMS, SPLIT_TARGET, wrap_split
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_split"
-PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
+TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
 # Installed together with ``junction_coordinator``, wherever the junction checkpoint is backported.
 INSTALLS = Installs(
     when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
@@ -59,28 +58,18 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 
 def _wrap(original: Any, adapter: VllmAdapter) -> Any:
-    @functools.wraps(original)
-    def _mamba_block_aligned_split(
-        self: Any,
-        request: Any,
-        num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-    ) -> int:
-        scheduled = original(self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
-        plan = plan_of(self)
+    def stop_at(scheduler: Any, request: Any, start: int, end: int) -> int | None:
+        plan = plan_of(scheduler)
         if not plan.enabled:
-            return scheduled
-        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        stop = junction_stop(
+            return None
+        return junction_stop(
             plan,
             request,
             start,
-            start + scheduled,
-            block_size=self.cache_config.block_size,
-            hash_block_size=self.hash_block_size,
-            eagle_drop=getattr(self, adapter.scheduler_eagle_drop_attr),
+            end,
+            block_size=scheduler.cache_config.block_size,
+            hash_block_size=scheduler.hash_block_size,
+            eagle_drop=getattr(scheduler, adapter.scheduler_eagle_drop_attr),
         )
-        return scheduled if stop is None else stop - start
 
-    return _mamba_block_aligned_split
+    return wrap_split(original, stop_at)

@@ -26,17 +26,16 @@ positions, so the plugin installs this patch on every wheel 0.29.0-0.33.x
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.chunk_stop import SPLIT_PARAMS, SPLIT_TARGET, wrap_split
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 from hybrid_kv_plugin.prompt_tail.binding import policy_of
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_split"
-PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
+TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
 # Every wheel whose Mamba manager can keep a partial prompt-tail state (the value is then
 # validated and offered); installed after ``junction_split``, which it wraps on 0.29.
 INSTALLS = Installs(when=lambda adapter: adapter.prompt_tail_checkpoint_supported, since="0.29.0")
@@ -54,20 +53,8 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 
 def _wrap(original: Any, adapter: VllmAdapter) -> Any:
-    @functools.wraps(original)
-    def _mamba_block_aligned_split(
-        self: Any,
-        request: Any,
-        num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-    ) -> int:
-        scheduled = original(self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
-        policy = policy_of(self, adapter)
-        if not policy.active:
-            return scheduled
-        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        stop = policy.chunk_stop(request.num_prompt_tokens, start, start + scheduled)
-        return scheduled if stop is None else stop - start
+    def stop_at(scheduler: Any, request: Any, start: int, end: int) -> int | None:
+        policy = policy_of(scheduler, adapter)
+        return policy.chunk_stop(request.num_prompt_tokens, start, end) if policy.active else None
 
-    return _mamba_block_aligned_split
+    return wrap_split(original, stop_at)
