@@ -54,6 +54,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "junction-lowered-tail-computed-guard-removed",
+        "junction/manager.py",
+        "                return request.num_computed_tokens < num_tokens\n",
+        "                return True\n",
+        (JUNCTION_OUTSIDE,),
+        ("0.29.0",),
+    ),
+    Mutant(
         "loads-placed-from-slot-0",
         FINE,
         "            first_slot = pending.local_tokens // size\n",

@@ -81,7 +81,8 @@ def _build(stock: type, tracks_producers: bool) -> type:
             if num_tokens % unit or num_tokens % self.block_size == 0:
                 return False
             if self.lowers_prompt_tail and num_tokens == lowered_tail(request.num_prompt_tokens, unit):
-                return True
+                # Only for the chunk that ends there, as for the junction below.
+                return request.num_computed_tokens < num_tokens
             # The junction, only for the prompt chunk that ends there: during decode the
             # block is the running state, rewritten in place, so its key would lie.
             return (
