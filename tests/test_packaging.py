@@ -20,7 +20,7 @@ import hybrid_kv_plugin
 
 ROOT = pathlib.Path(__file__).parents[1]
 VERSION = hybrid_kv_plugin.__version__
-SOURCES = ("pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "ARCHITECTURE.md",
+SOURCES = ("pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md",
            "src", "examples", "scripts", ".ci")
 
 
@@ -91,7 +91,8 @@ def test_sdist_carries_examples_scripts_and_license(built):
     with tarfile.open(sdist) as archive:
         names = {name.removeprefix(prefix) for name in archive.getnames()}
     expected = {"LICENSE", "README.md", "CHANGELOG.md", "examples/multi_turn_cpu_offload.py", "examples/gpu_e2e.py",
-                "scripts/demo", "scripts/test", "scripts/pins/vllm-0.29.0.txt", ".ci/run"}
+                "scripts/demo", "scripts/test", "scripts/pins/vllm-0.29.0.txt", ".ci/run",
+                "src/hybrid_kv_plugin/ARCHITECTURE.md"}
     assert expected <= names, sorted(expected - names)
 
 

@@ -12,10 +12,10 @@ method is the stock one: the class only adds behaviour behind ``junction_enabled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
+from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -91,28 +91,8 @@ def _build(stock: type, tracks_producers: bool) -> type:
             )
 
         def _checkpoint_partial_state(self, request: Any, num_tokens: int) -> Any:
-            index = num_tokens // self.block_size
-            blocks: Sequence[Any] = self.req_to_blocks[request.request_id]
-            if index >= len(blocks) or blocks[index].is_null:
-                return None
-            holder = blocks[index]
-            key = self.block_pool.cache_partial_block(
-                request=request,
-                block=holder,
-                num_tokens=num_tokens,
-                kv_cache_group_id=self.kv_cache_group_id,
-                block_size=self.block_size,
-            )
-            if key is None:
-                return None
-            # The next forward pass writes into ``holder``; registering it as a partial hit
-            # makes the next allocation copy the state out first (the wheel's CoW path).
-            self._partial_hit_reqs[request.request_id] = (index, holder)
-            self.num_cached_block[request.request_id] = index
-            if tracks_producers:
-                # 0.27+: the copy is also offered to a connector as this request's boundary state.
-                self._producer_partial_tail_reqs[request.request_id] = num_tokens
-            return key
+            # 0.27+ also offer the copy to a connector as this request's boundary state.
+            return keep_partial_state(self, request, num_tokens, False if tracks_producers else None)
 
     JunctionMambaManager.__qualname__ = JunctionMambaManager.__name__
     JunctionMambaManager.__module__ = __name__

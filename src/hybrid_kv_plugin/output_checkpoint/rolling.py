@@ -1,7 +1,7 @@
 """What a decode step ending on a prefix-match-unit boundary does to its request's kept answer states.
 
 The state after ``p`` tokens sits in the running state block only until the next
-forward pass; :func:`~hybrid_kv_plugin.prompt_tail.state.keep_partial_state`
+forward pass; :func:`~hybrid_kv_plugin.mamba_partial_state.keep_partial_state`
 keeps it the way the wheel keeps its own prompt tail (partial key, copy-on-write
 into a fresh block at the next allocation, boundary hand-off to a connector).
 Each newer boundary makes the older kept states of the same request stale (a
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import OutputCheckpoint
-from hybrid_kv_plugin.prompt_tail.state import keep_partial_state
+from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
 
 REQUEST_ATTR = "hybrid_kv_output_states"
 

@@ -39,7 +39,7 @@ from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR
 from hybrid_kv_plugin.output_checkpoint.rolling import at_output_boundary, note_copies
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 from hybrid_kv_plugin.patches.prompt_tail_manager import PARAMS, TARGET
-from hybrid_kv_plugin.prompt_tail.state import KEEP_PARTIAL_STATE_READS
+from hybrid_kv_plugin.mamba_partial_state import KEEP_PARTIAL_STATE_READS
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter

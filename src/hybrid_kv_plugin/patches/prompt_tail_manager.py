@@ -9,7 +9,7 @@ What it changes: for a Mamba manager in ``align`` mode bound to a non-native
 policy (:mod:`hybrid_kv_plugin.prompt_tail.binding`), when the chunk being cached
 ends at a kept sub-block position the wheel does not keep itself, the state there
 is registered the way the wheel registers its own partial tail
-(:mod:`hybrid_kv_plugin.prompt_tail.state`: partial key, copy-on-write before the
+(:mod:`hybrid_kv_plugin.mamba_partial_state`: partial key, copy-on-write before the
 next forward pass, boundary hand-off to a connector); at the wheel's own position
 when the policy does not keep it, nothing is registered (unless it is also the
 shared-prefix junction). Every other call, and every unbound manager, runs the
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
-from hybrid_kv_plugin.prompt_tail.state import KEEP_PARTIAL_STATE_READS, keep_partial_state
+from hybrid_kv_plugin.mamba_partial_state import KEEP_PARTIAL_STATE_READS, keep_partial_state
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter

@@ -1,4 +1,4 @@
-"""Keeping the Mamba state a prefill chunk just wrote at a sub-block prompt-tail position.
+"""Keeping the Mamba state a chunk just wrote at a sub-block position (junction, prompt tail, answer).
 
 The model runner writes a request's Mamba state, at the end of every scheduled
 chunk, into the block holding its last token (``block_table[(seq_len - 1) //
@@ -23,11 +23,13 @@ KEEP_PARTIAL_STATE_READS = frozenset(
 )
 
 
-def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_holds_block: bool) -> Any:
+def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_holds_block: bool | None) -> Any:
     """Register the state after ``num_tokens`` tokens; the prefix-cache key, or None if not kept.
 
     Requires ``num_tokens`` to end the chunk being cached and not to be a multiple
     of the Mamba block (block ends are full-block entries the wheel caches itself).
+    ``producer_holds_block``: how the wheel's manager records a partial tail it offers a
+    connector (the block and position, or the position only); None where it records none (0.26).
     """
     index = num_tokens // manager.block_size
     blocks: Sequence[Any] = manager.req_to_blocks[request.request_id]
@@ -45,7 +47,8 @@ def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_hol
         return None
     manager._partial_hit_reqs[request.request_id] = (index, holder)
     manager.num_cached_block[request.request_id] = index
-    manager._producer_partial_tail_reqs[request.request_id] = (
-        (holder, num_tokens) if producer_holds_block else num_tokens
-    )
+    if producer_holds_block is not None:
+        manager._producer_partial_tail_reqs[request.request_id] = (
+            (holder, num_tokens) if producer_holds_block else num_tokens
+        )
     return key
