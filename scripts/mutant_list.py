@@ -62,6 +62,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "same-step-copy-chains-unresolved",
+        "patches/same_step_copy_chains.py",
+        "        src = filled_from.get(copy.src_block_id, copy.src_block_id)\n",
+        "        src = copy.src_block_id\n",
+        ("tests/test_reliability_regressions.py::test_same_step_copy_chain_reads_the_bytes_it_means",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
         "loads-placed-from-slot-0",
         FINE,
         "            first_slot = pending.local_tokens // size\n",

@@ -32,6 +32,7 @@ REMOVAL_NOTES = {
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
+    "same_step_copy_chains": "not yet (present up to 0.33.0)",
 }
 
 
@@ -80,39 +81,39 @@ def test_installed_here_exactly_when_the_declared_range_says(adapter, name):
 PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
-        "junction_coordinator", "junction_split", "mamba_boundary_handoffs", "boundary_handoff_publish",
+        "junction_coordinator", "junction_split", "mamba_boundary_handoffs", "boundary_handoff_publish", "same_step_copy_chains",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "truncate_mamba_lookup",
+        "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish",
+        "boundary_handoff_publish", "same_step_copy_chains",
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",
-        "prompt_tail_manager", "prompt_tail_attention", "output_checkpoint_bind", "output_checkpoint_manager", "async_load_liveness",
+        "prompt_tail_manager", "prompt_tail_attention", "output_checkpoint_bind", "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.30.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness",
+        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness",
+        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness",
+        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "offload_has_connector", "async_load_liveness",
+        "output_checkpoint_manager", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
     ],
 }
 

@@ -124,3 +124,48 @@ def test_changed_schedule_leaves_the_plugin_inert(no_plugin, adapter, deadlock_s
         f"attributes (new: -; gone: {gone}))"
     )
     assert Scheduler.schedule is schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Same-step copy chains (patches/same_step_copy_chains.py), found by the byte check: seed 0 of
+# ``plugin-fa32`` (attention 32 over a 16-token unit) admits q223 and q225 in one step; both hit
+# 80 tokens of a cached partial block. q223's private copy of it is q225's hit, and the worker
+# runs both copies as one batch, so q225's copy reads the zeroed block. Per wheel: the step and
+# q225's block id where the unpatched run reads zeros.
+COPY_CHAIN_SEEDS = {
+    "0.29.0": (2251, 2), "0.30.0": (2255, 3), "0.31.0": (2253, 1), "0.32.0": (2262, 7), "0.33.0": (2262, 7),
+}
+
+
+@pytest.fixture
+def copy_chain_seed(adapter):
+    if adapter.version not in COPY_CHAIN_SEEDS:
+        pytest.skip(f"vLLM {adapter.version}: seed 0 of plugin-fa32 makes no same-step copy chain there")
+    return COPY_CHAIN_SEEDS[adapter.version]
+
+
+def test_same_step_copy_chain_reads_the_bytes_it_means(plugin, adapter, copy_chain_seed, monkeypatch):
+    from hybrid_kv_plugin.patches import same_step_copy_chains
+
+    step, block = copy_chain_seed
+    variant = _variant(adapter, "plugin-fa32")
+    counts, _, violations = soak(adapter, variant, 2_400, seed=0)
+    assert violations == []
+    assert counts.byte_violations == 0
+    # Ablate the plugin's own resolution (not vLLM code): the chain reads a zeroed block again.
+    monkeypatch.setattr(same_step_copy_chains, "resolve_copy_chains", lambda copies: copies)
+    _, _, violations = soak(adapter, variant, 2_400, seed=0)
+    assert violations == [
+        f"step {step}: q225: attention (group 0) before tokens 80..96: 1 wrong: block {block} holds zeroed, "
+        "expected group 0 content up to token 80"
+    ]
+
+
+def test_copy_chains_resolve_to_the_first_source():
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy as Copy
+
+    from hybrid_kv_plugin.patches.same_step_copy_chains import resolve_copy_chains
+
+    # 5 -> 17, then 17 -> 7 and 7 -> 9 in the same step; 3 -> 4 stands alone.
+    chain = [Copy(5, 17), Copy(3, 4), Copy(17, 7), Copy(7, 9)]
+    assert resolve_copy_chains(chain) == [Copy(5, 17), Copy(3, 4), Copy(5, 7), Copy(5, 9)]

@@ -38,6 +38,7 @@ from hybrid_kv_plugin.patches import (
     prompt_tail_manager,
     prompt_tail_retention,
     prompt_tail_split,
+    same_step_copy_chains,
     scheduler_plugin_config,
     truncate_mamba_lookup,
 )
@@ -71,6 +72,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     output_checkpoint_manager,
     offload_has_connector,
     async_load_liveness,
+    same_step_copy_chains,
 )
 
 
