@@ -34,6 +34,7 @@ from hybrid_kv_plugin.patches import (
     offload_has_connector,
     output_checkpoint_bind,
     output_checkpoint_manager,
+    output_checkpoint_offload,
     prompt_tail_attention,
     prompt_tail_manager,
     prompt_tail_retention,
@@ -69,6 +70,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     prompt_tail_attention,
     output_checkpoint_bind,
     output_checkpoint_manager,
+    output_checkpoint_offload,
     offload_has_connector,
     async_load_liveness,
 )
