@@ -196,6 +196,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "output-checkpoint-native-offload-ignores-the-answer",
+        "patches/output_checkpoint_offload.py",
+        "        answer = last_answer_position(request)\n",
+        "        answer = None\n",
+        # 0.30+: the wheel's SimpleCPU side stores only the prompt's partial block.
+        ("tests/test_output_checkpoint.py::test_attention_block_coarser_than_the_unit",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "output-checkpoint-answer-attention-block-not-keyed",
         "patches/prompt_tail_attention.py",
         "            key_attention_block(self, request, num_tokens)\n",
