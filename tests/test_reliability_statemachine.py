@@ -62,7 +62,7 @@ settings.register_profile(
 PROFILE = os.environ.get("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci")
 CI_PROFILES = ("reliability-ci", "reliability-ci-noshrink")
 VARIANTS = ("stock", "plugin", "plugin-lazy", "plugin-fa32", "passthrough-full-attention", "plugin-tail-both",
-            "plugin-output-checkpoint")
+            "plugin-output-checkpoint", "plugin-output-checkpoint-fa32")
 # Minimum (loads, failed loads, preemptions, partial attention tails) per variant on the CI
 # profile. Failed loads only where the wheel can be told a load failed (see
 # ``load_failures_reportable``); partial tails only where the attention block is coarser

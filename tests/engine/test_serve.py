@@ -45,8 +45,8 @@ EXPECTED_SAVE_OUTCOMES = {"stored": 6, "skipped_already_cached": 6}
 EXPECTED_ACTIVE_LINES = {
     "EngineCore": (
         "scheduler_plugin_config, prompt_tail_split, prompt_tail_manager, prompt_tail_retention, "
-        "prompt_tail_attention, output_checkpoint_bind, output_checkpoint_manager, async_load_liveness, "
-        "same_step_copy_chains"
+        "prompt_tail_attention, output_checkpoint_bind, output_checkpoint_manager, output_checkpoint_offload, "
+        "async_load_liveness, same_step_copy_chains"
     ),
     "VllmWorker-0": "none",
 }

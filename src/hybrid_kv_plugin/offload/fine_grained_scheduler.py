@@ -45,7 +45,6 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
     get_group_id,
-    make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
@@ -58,6 +57,7 @@ from vllm.v1.simple_kv_offload.manager import (
 
 from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
+from hybrid_kv_plugin.output_checkpoint.offload import attention_tail_boundary, partial_tail_block
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -444,32 +444,17 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             self._finish_batches.append(self._allocate(batch))
 
     def _attention_partial_tail(self, request: Any, block_ids: Sequence[Sequence[int]]) -> KVCacheBlock | None:
-        """The full-attention block holding the prompt's last hash boundary, when that boundary is inside it.
+        """The full-attention block holding the prompt's last hash boundary (or, with
+        ``mamba_output_checkpoint``, the newest kept answer position), when that boundary is inside it.
 
         The GPU manager registers that boundary as a partial key on the block; the
         positional scan only copies whole blocks, so without this the Mamba group
         holds the boundary and attention does not, and the hybrid lookup drops to
         the previous common boundary.
         """
-        assert self._gpu_block_pool is not None
         if not self.cpu_coordinator.enable_partial_hash_hits:
             return None
-        boundary = request.num_prompt_tokens // self.hash_block_size * self.hash_block_size
-        if boundary == 0 or boundary > request.num_computed_tokens or boundary % self.fa_block_size == 0:
-            return None
-        ids = block_ids[self.fa_gidx]
-        index = boundary // self.fa_block_size
-        if index >= len(ids):
-            return None
-        block = self._gpu_block_pool.blocks[ids[index]]
-        if block.is_null or block.block_id in self._in_flight_store_gpu_blocks:
-            return None
-        key = make_block_hash_with_group_id(request.block_hashes[boundary // self.hash_block_size - 1], self.fa_gidx)
-        if key not in {k for k, _ in self._keys_of(block)}:
-            return None  # the GPU side did not register that boundary on this block
-        if self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key) is not None:
-            return None
-        return block
+        return partial_tail_block(self, request, block_ids, attention_tail_boundary(request, self.hash_block_size))
 
     # ------------------------------------------------------------------ completion
     def _process_store_event(self, event_idx: int) -> None:

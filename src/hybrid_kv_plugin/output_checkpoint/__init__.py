@@ -15,8 +15,13 @@ Pieces:
   ``align`` Mamba managers after the scheduler is built;
 * :mod:`.rolling` - what one decode boundary does (keep the new state, drop the
   stale one);
-* patches ``output_checkpoint_bind`` (``Scheduler.__init__``) and
-  ``output_checkpoint_manager`` (``MambaManager._cache_partial_tail_block``).
+* :mod:`.offload` - which attention partial block the CPU tier stores at finish;
+* patches ``output_checkpoint_bind`` (``Scheduler.__init__``),
+  ``output_checkpoint_manager`` (``MambaManager._cache_partial_tail_block``) and
+  ``output_checkpoint_offload`` (the SimpleCPU scheduler's partial-tail lookup, 0.30+);
+  shared with ``prompt_tail_checkpoint``: ``prompt_tail_attention`` (attention keyed at
+  a kept position inside a coarser block) and ``prompt_tail_retention`` (a Mamba block
+  end kept under retention 0).
 """
 
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR, OutputCheckpoint, bind

@@ -1,4 +1,5 @@
-"""One :class:`OutputCheckpoint` per scheduler, handed to its ``align`` Mamba managers.
+"""One :class:`OutputCheckpoint` per scheduler, handed to its ``align`` Mamba managers
+and to its full-attention managers whose block is coarser than the kept positions' step.
 
 Bound once the stock scheduler constructor has built the managers; managers never
 bound (option off, a connector's CPU-side coordinator) keep the wheel's behaviour.
@@ -22,13 +23,28 @@ MANAGER_ATTR = "hybrid_kv_output_checkpoint"
 @dataclass(frozen=True)
 class OutputCheckpoint:
     """``hash_block_size``: the prefix-match unit; ``step``: the positions a hybrid hit can end at
-    inside an answer (multiples of the unit and of every attention block size: attention keys
-    inside an answer exist only at its block ends). ``eagle_drop``: the lookup drops the last
-    matched step (EAGLE block drop), so the state one step below the last boundary is kept too."""
+    inside an answer (multiples of the unit and of the block size of every group that cannot be
+    keyed inside a block). ``attention_block_sizes``: the full-attention groups, keyed at each kept
+    position inside their block (``prompt_tail_attention``). ``eagle_drop``: the lookup drops the
+    last matched step (EAGLE block drop), so the state one step below the last boundary is kept too."""
 
     hash_block_size: int
     step: int
+    attention_block_sizes: tuple[int, ...] = ()
     eagle_drop: bool = False
+
+    def keeps(self, position: int, num_prompt_tokens: int) -> bool:
+        """Whether the answer state at ``position`` is kept (and the attention keyed there).
+
+        A block holds one partial key, and a longer one replaces it: an attention block
+        that also holds a prompt unit boundary (where the prompt tail may be keyed) is
+        keyed only at its end, so the prompt's own reach stays.
+        """
+        if position <= num_prompt_tokens or position % self.step:
+            return False
+        prompt_edge = num_prompt_tokens // self.hash_block_size * self.hash_block_size
+        return all(position % size == 0 or position // size * size >= prompt_edge
+                   for size in self.attention_block_sizes)
 
     def keep_from(self, boundary: int) -> int:
         """Kept output states below this position are stale once ``boundary`` is computed."""
@@ -55,16 +71,26 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
             "disabled (prefix-match unit not finer than the Mamba block)",
         )
         return None
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
     step = scheduler.hash_block_size
+    attention: list[Any] = []
     for manager in coordinator.single_type_managers:
-        if getattr(manager, "mamba_cache_mode", None) is None:
+        # Exactly full attention is keyed inside its blocks; its subclasses (sliding, ring,
+        # sparse) free or reuse blocks, so a hit there must end on their block grid.
+        if type(manager) is FullAttentionManager:
+            attention.append(manager)
+        elif getattr(manager, "mamba_cache_mode", None) is None:
             step = math.lcm(step, manager.block_size)
     checkpoint = OutputCheckpoint(
         hash_block_size=scheduler.hash_block_size,
         step=step,
+        attention_block_sizes=tuple(sorted({m.block_size for m in attention if step % m.block_size})),
         eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr, False)),
     )
     for manager in coordinator.single_type_managers:
-        if getattr(manager, "mamba_cache_mode", None) == "align":
+        if getattr(manager, "mamba_cache_mode", None) == "align" or (
+            manager in attention and step % manager.block_size
+        ):
             setattr(manager, MANAGER_ATTR, checkpoint)
     return checkpoint

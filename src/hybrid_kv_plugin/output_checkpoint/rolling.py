@@ -56,12 +56,17 @@ def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: 
                        producer_holds_block: bool) -> Any:
     """``num_tokens`` (> prompt, a unit multiple) ends the step being cached: keep its state, drop stale ones."""
     states = kept_states(request, manager.kv_cache_group_id)
+    if num_tokens % manager.block_size == 0 and not _block_end_kept(manager, request, num_tokens):
+        # A Mamba block end that sparse retention does not keep (0.29 under retention 0):
+        # the older state is still the newest one there is.
+        return None
     floor = checkpoint.keep_from(num_tokens)
     for stale in [s for s in states if s.position < floor]:
         _drop(manager, request, stale)
         states.remove(stale)
-    # Mamba block ends are full-block entries the wheel caches itself; a step that does
-    # not compute up to num_tokens (a resumed request's cached part) writes no state there.
+    # Mamba block ends are full-block entries (cached by the wheel, or for the option by
+    # prompt_tail_retention); a step that does not compute up to num_tokens (a resumed
+    # request's cached part) writes no state there.
     if num_tokens % manager.block_size == 0 or request.num_computed_tokens >= num_tokens:
         return None
     blocks = manager.req_to_blocks[request.request_id]
@@ -73,6 +78,40 @@ def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: 
         if request.num_output_tokens + 1 >= request.max_tokens:
             _hand_off_last_step(manager, request, holder, num_tokens)
     return key
+
+
+def _block_end_kept(manager: Any, request: Any, num_tokens: int) -> bool:
+    """Whether the full Mamba block ending at ``num_tokens`` is hashed there (run after the full blocks are cached)."""
+    blocks = manager.req_to_blocks[request.request_id]
+    index = num_tokens // manager.block_size - 1
+    return index < len(blocks) and blocks[index].block_hash_num_tokens == num_tokens
+
+
+def retained_block_end(manager: Any, request: Any, num_tokens: int, checkpoint: OutputCheckpoint,
+                       retention_interval: int | None) -> int | None:
+    """The answer's Mamba block end sparse retention must also keep for this step, if any.
+
+    Under retention 0 the wheel hashes a full Mamba block only at its replay boundaries
+    (the prompt's), so during decode no block end is kept; dense retention (None) keeps
+    every one and a positive interval one per segment, left to the wheel.
+    """
+    if (
+        retention_interval != 0
+        or num_tokens % manager.block_size
+        or request.num_computed_tokens >= num_tokens
+        or not checkpoint.keeps(num_tokens, request.num_prompt_tokens)
+    ):
+        return None
+    return num_tokens
+
+
+def note_block_end(manager: Any, request: Any, num_tokens: int) -> None:
+    """Record the block end retained for the option, so a newer boundary drops it like the others."""
+    if _block_end_kept(manager, request, num_tokens):
+        block = manager.req_to_blocks[request.request_id][num_tokens // manager.block_size - 1]
+        kept_states(request, manager.kv_cache_group_id).append(
+            KeptState(num_tokens, block.block_hash, block, copy=block)
+        )
 
 
 def _hand_off_last_step(manager: Any, request: Any, holder: Any, num_tokens: int) -> None:

@@ -7,9 +7,13 @@ prefix-match-unit boundary the decode has computed.
 
 What it changes: for a Mamba manager bound by ``output_checkpoint_bind``, when
 the tokens being cached (``cache_blocks`` runs at schedule time for what the step
-will compute) end past the prompt on a unit boundary that attention can reach
-(a multiple of every attention block size) and that is not a Mamba block end, the state there is registered as the wheel registers its own partial prompt
-tail (:mod:`hybrid_kv_plugin.output_checkpoint.rolling`), and the request's older
+will compute) end past the prompt on a unit boundary the option keeps
+(:meth:`~hybrid_kv_plugin.output_checkpoint.OutputCheckpoint.keeps`: one attention can
+reach, where ``prompt_tail_attention`` keys a coarser full-attention block) and that
+is not a Mamba block end, the state there is registered as the wheel registers its
+own partial prompt tail (:mod:`hybrid_kv_plugin.output_checkpoint.rolling`; a Mamba
+block end is hashed by the wheel, or under sparse retention through
+``prompt_tail_retention``), and the request's older
 kept answer states leave the prefix cache (at most one is held per running
 request, two under EAGLE block drop, which also needs the state one unit lower).
 Every other call runs the wrapped method (the ``prompt_tail_manager`` patch, then
@@ -73,7 +77,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         note_copies(self, request)
         if (
             key is not None
-            or num_tokens % checkpoint.step
+            or not checkpoint.keeps(num_tokens, request.num_prompt_tokens)
             or adapter.mamba_exports_checkpoint(self, request.request_id)
         ):
             return key

@@ -91,6 +91,9 @@ def variants(adapter: Any) -> list[Variant]:
         ),
         *(
             [Variant("plugin-output-checkpoint", CONNECTOR_NAME, opt_out,
+                     plugin_options=(("mamba_output_checkpoint", True),), output_scale=4),
+             # Answer states inside a 32-token attention block (keyed and stored partial).
+             Variant("plugin-output-checkpoint-fa32", CONNECTOR_NAME, opt_out, attention_block_size=32,
                      plugin_options=(("mamba_output_checkpoint", True),), output_scale=4)]
             if adapter.output_checkpoint_supported
             else []
