@@ -30,7 +30,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
-from hybrid_kv_plugin.prompt_tail.binding import policy_of
+from hybrid_kv_plugin.prompt_tail.binding import SCHEDULER_POLICY_ATTR, policy_of
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -63,7 +63,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         num_external_computed_tokens: int = 0,
     ) -> int:
         scheduled = original(self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
-        policy = policy_of(self, adapter)
+        policy = self.__dict__.get(SCHEDULER_POLICY_ATTR) or policy_of(self, adapter)  # bound once
         if not policy.active:
             return scheduled
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
