@@ -288,8 +288,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """Stage confirmed blocks of the positionally stable groups, advancing ``cursors`` (one per group).
 
         Runs for every running request each step, so the admission test of
-        :meth:`_admission` and the usual case of :meth:`_stage` are inlined (only
-        "may be stored" matters here).
+        :meth:`_admission` is inlined (only "may be stored" matters here).
         """
         unit = self._store_unit
         reachable = (request.num_computed_tokens - request.num_output_placeholders) // unit * unit
@@ -303,7 +302,6 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             pool = self._gpu_block_pool
             assert pool is not None
             gpu_blocks = pool.blocks
-            secondary = pool.cached_block_hashes_by_block
             in_flight = self._in_flight_store_gpu_blocks
             cpu_cached = self.cpu_block_pool.cached_block_hash_to_block
             staged_keys = batch.keys
@@ -325,15 +323,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 if len(staged) >= batch.room:
                     cursors[g] = index
                     return  # out of CPU space: retry from here next step
-                if events or block_id in secondary:
-                    tokens = request.all_token_ids[index * size : (index + 1) * size] if events else ()
-                    self._stage(batch, block, tokens)
-                    continue
-                # _stage's usual case: no secondary keys, no KV events.
-                staged.append(StagedBlock(block_id, ((key, block.block_hash_num_tokens),)))
-                batch.gpu_block_ids.append(block_id)
-                staged_keys.add(key)
-                in_flight.add(block_id)  # claimed: a request sharing this block does not stage it again
+                tokens = request.all_token_ids[index * size : (index + 1) * size] if events else ()
+                self._stage(batch, block, tokens)
             cursors[g] = stop
 
     def _take_boundary_handoffs(self, scheduler_output: Any, batch: StoreBatch) -> None:

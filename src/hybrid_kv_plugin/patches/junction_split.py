@@ -31,6 +31,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction import junction_stop, plan_of
+from hybrid_kv_plugin.junction.coordinator import SCHEDULER_PLAN_ATTR
 from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
@@ -68,7 +69,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         num_external_computed_tokens: int = 0,
     ) -> int:
         scheduled = original(self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
-        plan = plan_of(self)
+        plan = self.__dict__.get(SCHEDULER_PLAN_ATTR) or plan_of(self)  # bound once
         if not plan.enabled:
             return scheduled
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
