@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from hybrid_kv_plugin.config import connector_options_from
+from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
 from hybrid_kv_plugin.registration import current_adapter
@@ -39,6 +40,8 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         )
         self._stores_submitted = True
         self._outcomes_reported = BoundaryStoreStats()
+        self._outcomes_source: BoundaryStoreStats | None = None  # the live counters last compared
+        self._native_metrics = adapter.has_native_simplecpu_metrics
         super().__init__(vllm_config, role, kv_cache_config)
         if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:
             from hybrid_kv_plugin.offload.fine_grained_scheduler import FineGrainedOffloadScheduler
@@ -86,6 +89,11 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         manager = getattr(self, "scheduler_manager", None)
         if self.offload_mode is OffloadMode.BACKPORT and manager is not None:
             current = manager.boundary_store_stats
+            # Counters only grow and ``published`` moves with each of them, so the same
+            # object with the same total has not moved (a reset replaces the object).
+            if current is self._outcomes_source and current.published == self._outcomes_reported.published:
+                return {}
+            self._outcomes_source = current
         else:
             current = self.get_boundary_store_stats()
         reported = self._outcomes_reported
@@ -95,21 +103,17 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return current.minus(reported)
 
     def get_kv_connector_stats(self) -> Any:
-        if self.hybrid_kv_adapter.has_native_simplecpu_metrics:
+        if self._native_metrics:
             return super().get_kv_connector_stats()
         growth = self._outcome_growth()
         if not growth:
             return None
-        from hybrid_kv_plugin.offload.metrics import OffloadOutcomeStats
-
         return OffloadOutcomeStats.of(growth)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         if current_adapter().has_native_simplecpu_metrics:
             return super().build_kv_connector_stats(data)
-        from hybrid_kv_plugin.offload.metrics import OffloadOutcomeStats
-
         return OffloadOutcomeStats(data=dict(data or {}))
 
     @classmethod
@@ -117,6 +121,4 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         """(vllm_config, metric_types, labelnames, per_engine_labelvalues), as vLLM passes them."""
         if current_adapter().has_native_simplecpu_metrics:
             return super().build_prom_metrics(*args, **kwargs)
-        from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics
-
         return OffloadOutcomePromMetrics(*args, **kwargs)

@@ -58,10 +58,12 @@ def junction_coordinator_class(stock: type, stock_mamba_manager: type, adapter: 
                 if type(manager) is stock_mamba_manager:
                     adopt(manager, manager_cls)
 
+        # ``stock.cache_blocks`` rather than ``super()``: the same method (the mixin has
+        # none), cheaper on a path that runs every step.
         def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
             plan = self.junction_plan
             if plan is None or not plan.enabled or self.retention_interval is None:
-                return super().cache_blocks(request, num_computed_tokens)
+                return stock.cache_blocks(self, request, num_computed_tokens)
             bounds = replay_boundaries(
                 request.num_prompt_tokens, self.scheduler_block_size, eagle=bool(self.eagle_group_ids)
             )
@@ -69,7 +71,7 @@ def junction_coordinator_class(stock: type, stock_mamba_manager: type, adapter: 
             for manager in managers:
                 manager.replay_handoff = bounds
             try:
-                return super().cache_blocks(request, num_computed_tokens)
+                return stock.cache_blocks(self, request, num_computed_tokens)
             finally:
                 for manager in managers:
                     manager.replay_handoff = None
@@ -80,6 +82,8 @@ def junction_coordinator_class(stock: type, stock_mamba_manager: type, adapter: 
 
 
 NOT_HYBRID = JunctionPlan(enabled=False, reason="not a hybrid KV-cache coordinator")
+# Where a scheduler keeps the plan once its coordinator is bound.
+SCHEDULER_PLAN_ATTR = "hybrid_kv_junction_plan"
 
 
 def plan_of(scheduler: Any) -> JunctionPlan:
@@ -90,11 +94,17 @@ def plan_of(scheduler: Any) -> JunctionPlan:
     binding happens the first time the scheduler asks - always before the first
     chunk it schedules is cached.
     """
+    plan = scheduler.__dict__.get(SCHEDULER_PLAN_ATTR)
+    if plan is not None:  # asked every prefill chunk; a bound plan never changes
+        return plan
     coordinator = scheduler.kv_cache_manager.coordinator
     if not isinstance(coordinator, JunctionCoordinatorMixin):
-        return NOT_HYBRID
-    if coordinator.junction_plan is None:
-        config = getattr(scheduler, "hybrid_kv_config", None)
-        coordinator.bind_junction(bool(config and config.mamba_shared_prefix_checkpoint))
-    assert coordinator.junction_plan is not None
-    return coordinator.junction_plan
+        plan = NOT_HYBRID
+    else:
+        if coordinator.junction_plan is None:
+            config = getattr(scheduler, "hybrid_kv_config", None)
+            coordinator.bind_junction(bool(config and config.mamba_shared_prefix_checkpoint))
+        plan = coordinator.junction_plan
+        assert plan is not None
+    setattr(scheduler, SCHEDULER_PLAN_ATTR, plan)
+    return plan

@@ -48,10 +48,13 @@ def _build(stock: type, tracks_producers: bool) -> type:
             self.junction_enabled = plan.enabled
             self.lowers_prompt_tail = plan.enabled and plan.lowered_tail and self.use_eagle
 
+        # Stock methods are looked up on ``stock`` at call time, not via ``super()`` (the
+        # same method: this class adds nothing between) - cheaper, and they run every step.
+        # Call time, because other patches replace ``stock._cache_partial_tail_block``.
         def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None) -> None:
             handoff = self.replay_handoff
             if handoff is None or retention_interval is None:
-                return super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
+                return stock.cache_blocks(self, request, num_tokens, retention_interval=retention_interval)
             # Sparse retention keeps only states at "reachable" positions; the wheel knows
             # the last prompt token and the junction. Under EAGLE a replay resumes one block
             # lower, so add those positions for this one call (an instance attribute shadows
@@ -64,14 +67,14 @@ def _build(stock: type, tracks_producers: bool) -> type:
 
             self.reachable_block_mask = mask_with_replay
             try:
-                return super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
+                return stock.cache_blocks(self, request, num_tokens, retention_interval=retention_interval)
             finally:
                 del self.reachable_block_mask
 
         def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> Any:
             if self.junction_enabled and self._is_added_checkpoint(request, num_tokens):
                 return self._checkpoint_partial_state(request, num_tokens)
-            return super()._cache_partial_tail_block(request, num_tokens)
+            return stock._cache_partial_tail_block(self, request, num_tokens)
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
             unit = self.block_pool.hash_block_size

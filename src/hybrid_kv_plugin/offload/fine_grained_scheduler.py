@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
@@ -87,18 +86,24 @@ class StagedBlock(NamedTuple):
     token_ids: tuple[int, ...] = ()
 
 
-@dataclass
 class StoreBatch:
-    """Blocks staged for one store event; ``cpu_block_ids`` is filled by the allocation."""
+    """Blocks staged for one store event; ``cpu_block_ids`` is filled by the allocation.
 
-    room: int = 0  # CPU blocks the batch may take (the pool's free count when it started)
-    blocks: list[StagedBlock] = field(default_factory=list)
-    # The staged blocks' GPU ids, index-parallel with ``blocks`` (kept, not derived: read every step).
-    gpu_block_ids: list[int] = field(default_factory=list)
-    cpu_block_ids: list[int] = field(default_factory=list)
-    req_ids: list[str] = field(default_factory=list)
-    # Primary keys already staged: a second GPU copy of the same content is not stored.
-    keys: set[Any] = field(default_factory=set)
+    Built at least once per step: a slotted class with literal defaults (a dataclass
+    with default factories costs five calls per construction).
+    """
+
+    __slots__ = ("room", "blocks", "gpu_block_ids", "cpu_block_ids", "req_ids", "keys")
+
+    def __init__(self, room: int = 0) -> None:
+        self.room = room  # CPU blocks the batch may take (the pool's free count when it started)
+        self.blocks: list[StagedBlock] = []
+        # The staged blocks' GPU ids, index-parallel with ``blocks`` (kept, not derived: read every step).
+        self.gpu_block_ids: list[int] = []
+        self.cpu_block_ids: list[int] = []
+        self.req_ids: list[str] = []
+        # Primary keys already staged: a second GPU copy of the same content is not stored.
+        self.keys: set[Any] = set()
 
     @property
     def full(self) -> bool:
@@ -144,6 +149,10 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             # keep CPU hits on the scheduler block.
             _scheduler_block_hits_only(coordinator)
             self._target_free = self._lazy_watermark()
+        # The finest boundary a lookup can land on, where the store scan stops: with
+        # fine-grained hits the hash block (stopping at the scheduler block would drop
+        # attention blocks that a Mamba boundary hand-off makes reachable).
+        self._store_unit = self.hash_block_size if coordinator.enable_partial_hash_hits else self.block_size
         self._finish_batches: list[StoreBatch] = []
         self._staged_for_event: list[StagedBlock] = []
         self._event_blocks: dict[int, list[StagedBlock]] = {}
@@ -281,12 +290,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         Runs for every running request each step, so the admission test of
         :meth:`_admission` is inlined (only "may be stored" matters here).
         """
-        confirmed = request.num_computed_tokens - request.num_output_placeholders
-        # Store up to the finest boundary a lookup can land on: with fine-grained hits
-        # that is the hash block; stopping at the scheduler block would drop attention
-        # blocks that a Mamba boundary hand-off makes reachable.
-        unit = self.hash_block_size if self.cpu_coordinator.enable_partial_hash_hits else self.block_size
-        reachable = confirmed // unit * unit
+        unit = self._store_unit
+        reachable = (request.num_computed_tokens - request.num_output_placeholders) // unit * unit
         for g in self._positional_groups:
             ids = table[g]
             size = self.group_block_sizes[g]
@@ -294,27 +299,31 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             stop = min(len(ids), reachable // size)
             if stop <= start:
                 continue
-            assert self._gpu_block_pool is not None
-            gpu_blocks = self._gpu_block_pool.blocks
+            pool = self._gpu_block_pool
+            assert pool is not None
+            gpu_blocks = pool.blocks
             in_flight = self._in_flight_store_gpu_blocks
             cpu_cached = self.cpu_block_pool.cached_block_hash_to_block
             staged_keys = batch.keys
+            staged = batch.blocks
+            events = self.enable_kv_cache_events
             for index in range(start, stop):
                 block = gpu_blocks[ids[index]]
                 if block.is_null:
                     continue
                 key = block.block_hash
+                block_id = block.block_id
                 if (
                     key is None
-                    or block.block_id in in_flight
+                    or block_id in in_flight
                     or key in staged_keys
                     or cpu_cached.get_one_block(key) is not None
                 ):
                     continue
-                if len(batch.blocks) >= batch.room:
+                if len(staged) >= batch.room:
                     cursors[g] = index
                     return  # out of CPU space: retry from here next step
-                tokens = request.all_token_ids[index * size : (index + 1) * size] if self.enable_kv_cache_events else ()
+                tokens = request.all_token_ids[index * size : (index + 1) * size] if events else ()
                 self._stage(batch, block, tokens)
             cursors[g] = stop
 

@@ -71,13 +71,20 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 
 def _wrap(original: Any, adapter: VllmAdapter) -> Any:
+    queue_attr = adapter.first_waiting_queue_attr
+
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        config = getattr(self, "hybrid_kv_config", None)
-        if config is None or config.async_load_liveness:
-            release_stale_reservations(self, adapter)
-            put_block_holders_first(self, adapter)
-        return original(self, *args, **kwargs)
+        # The usual step: nothing in flight and at most one request in the first queue,
+        # where both steps below are no-ops; only then is the switch read.
+        if self._inflight_prefills or len(getattr(self, queue_attr)) > 1:
+            config = getattr(self, "hybrid_kv_config", None)
+            if config is None or config.async_load_liveness:
+                release_stale_reservations(self, adapter)
+                put_block_holders_first(self, adapter)
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        return original(self)  # a plain call: no argument tuple and dict to build
 
     return schedule
 

@@ -57,7 +57,9 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         policy = self.__dict__.get(MANAGER_POLICY_ATTR)
         if policy is None or not policy.active:
-            return original(self, request, num_tokens, *args, **kwargs)
+            if args or kwargs:
+                return original(self, request, num_tokens, *args, **kwargs)
+            return original(self, request, num_tokens)  # the usual call, without argument packing
         prompt = request.num_prompt_tokens
         if (
             num_tokens > prompt

@@ -12,7 +12,7 @@ the continuation position too, so there ``replay`` and ``both`` keep one state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NATIVE, REPLAY, BOTH = "native", "replay", "both"
 
@@ -32,10 +32,11 @@ class PromptTailPolicy:
     eagle_drop: bool = False
     native_keeps_replay_position: bool = False
     native_eagle_shift: bool = False
+    # ``mode != NATIVE``, stored: the patched methods read it on every call.
+    active: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def active(self) -> bool:
-        return self.mode != NATIVE
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "active", self.mode != NATIVE)
 
     def replay_position(self, num_prompt_tokens: int) -> int:
         unit = self.hash_block_size
