@@ -25,6 +25,7 @@ from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
 from hybrid_kv_plugin.patches import (
     async_load_liveness,
     boundary_handoff_publish,
+    connector_hit_reconcile,
     junction_coordinator,
     junction_split,
     mamba_boundary_handoffs,
@@ -59,6 +60,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     nixl_save_meta,
     nixl_worker_pairing,
     junction_coordinator,
+    connector_hit_reconcile,
     junction_split,
     mamba_boundary_handoffs,
     boundary_handoff_publish,
