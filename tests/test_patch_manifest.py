@@ -24,6 +24,7 @@ REMOVAL_NOTES = {
     "junction_split": "0.30.0",
     "mamba_boundary_handoffs": "0.29.0",
     "boundary_handoff_publish": "0.29.0",
+    "mamba_allocated_mark": "0.28.0",
     "truncate_mamba_lookup": "0.28.0",
     "prompt_tail_split": "not yet (present up to 0.33.0)",
     "prompt_tail_manager": "not yet (present up to 0.33.0)",
@@ -82,11 +83,11 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "junction_coordinator", "connector_hit_reconcile", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish",
+        "mamba_allocated_mark", "boundary_handoff_publish",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "truncate_mamba_lookup",
+        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",

@@ -24,6 +24,7 @@ class Vllm026Adapter(VllmAdapter):
     mamba_lookup_trim_patch_needed = False
     # Its connector path serves max(per-group hits) as the local prefix (0.27 reconciles).
     connector_lookup_takes_deepest_group = True
+    mamba_marks_requests_allocating_nothing = False
 
     def installs_backport(self, feature: Feature) -> bool:
         if feature is Feature.NIXL_SSM_SLOT_PAIRING and _nixl_scheduler_clips_ssm():
