@@ -71,14 +71,13 @@ V033_STOCK = {
 # 0.26-0.27 keep a Mamba state at every whole 64-token block on the GPU, so the backport there
 # reuses more than the 0.33 reference. (plugin summary, plugin+junction summary, hand-off tokens
 # the plugin leaves unserved on the small / default workload (plugin, plugin+junction)).
-# 0.26 leaves some: attributed to dropped hand-offs, not investigated yet (see CHANGELOG).
 KEEPS_EVERY_BLOCK = {
     "0.26.0": (
-        {"ideal_tokens": 1856, "reused_gpu_tokens": 816, "reused_cpu_tokens": 864,
-         "loss": {"no_mamba_state": 16, "eagle_prune": 64, "handoff_dropped": 96}},
-        {"ideal_tokens": 1856, "reused_gpu_tokens": 832, "reused_cpu_tokens": 992,
-         "loss": {"no_mamba_state": 16, "eagle_prune": 16}},
-        96, (352, 256),
+        {"ideal_tokens": 1856, "reused_gpu_tokens": 720, "reused_cpu_tokens": 864,
+         "loss": {"no_mamba_state": 208, "eagle_prune": 64}},
+        {"ideal_tokens": 1856, "reused_gpu_tokens": 720, "reused_cpu_tokens": 1056,
+         "loss": {"no_mamba_state": 64, "eagle_prune": 16}},
+        0, (0, 0),
     ),
     "0.27.1": (
         {"ideal_tokens": 1856, "reused_gpu_tokens": 704, "reused_cpu_tokens": 880,
@@ -90,7 +89,7 @@ KEEPS_EVERY_BLOCK = {
 }
 # Scheduler steps of (stock, plugin, plugin+junction) where the plugin runs.
 STEPS = {
-    "0.26.0": (38, 38, 41),
+    "0.26.0": (38, 38, 42),
     "0.27.1": (38, 38, 44),
     "0.28.0": (40, 40, 39),
     "0.29.0": (40, 40, 39),
@@ -99,17 +98,3 @@ STEPS = {
     "0.32.0": (36, 36, 35),
     "0.33.0": (36, 36, 35),
 }
-
-
-
-# A finding of the byte check (sim/byte_cache.py), not yet explained (the simulator's model of
-# this wheel's runner, or vLLM itself): on vLLM 0.26, stock connector or plugin, a prefix hit's
-# Mamba slot can hold another block's content (in the randomized suite: stock 297 violations,
-# plugin 169, plugin-lazy 177, plugin-fa32 192 on the CI profile). Pinned in test_byte_cache.py;
-# SimEngine runs this wheel without the byte check by default (sim/wheel.py byte_check_models).
-SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE = ("0.26.0",)
-
-# The plugin-fa32 randomized variant (attention block 32 over a 16-token unit) trips vLLM 0.26's
-# `assert block_idx < len(req_blocks)` in MambaManager._apply_cow (reached through the plugin's
-# boundary hand-off backport) - an open bug, kept as a strict expected failure until fixed.
-FA32_COW_ASSERTION = ("0.26.0",)

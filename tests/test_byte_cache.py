@@ -13,7 +13,7 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.sim.byte_cache import describe, make_tags, prefix_hashes
 from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, offload_engine
 
-from helpers import SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE, tokens
+from helpers import tokens
 
 # The CPU-tier hit of A's prompt 352 + 3 tokens (tests/test_cpu_offload_table.py): the
 # prompt-tail Mamba state sits at 352 up to 0.31 and at 336 (last boundary <= N-1) from 0.32.
@@ -161,6 +161,18 @@ def test_the_byte_check_can_be_turned_off(plugin, adapter):
 
 
 
+def _fresh_hit_after_b(run):
+    """A 278-token request, then B (167 tokens) chunked 64/64/32/7 or 112/48/7 by a 128-token budget
+    (B's Mamba state at 160 is cached as a partial tail); B's chunks."""
+    engine = run.engine
+    engine.add_request("a", tokens(278), max_tokens=1)
+    engine.step()
+    engine.step()
+    engine.add_request("b", tokens(167, offset=500), max_tokens=1)
+    engine.run_until_idle()
+    return [s.num_scheduled_tokens["b"] for s in engine.steps if "b" in s.num_scheduled_tokens]
+
+
 def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     """A finding of the byte check, pinned: FA 16 + Mamba 64 with CacheConfig.block_size 16 (the
     simulator's geometry from 0.28; a real engine sets it to the Mamba block in align mode) lets a
@@ -169,27 +181,42 @@ def test_chunks_off_the_mamba_grid_leave_a_stale_state(plugin, adapter):
     reads it. Counted apart, not a violation; on 0.26-0.27 (block_size 64) the chunk stops at 128."""
     from hybrid_kv_plugin.sim import HybridGeometry
 
-    run = offload_engine(adapter, geometry=HybridGeometry(max_num_batched_tokens=128), byte_check=True)
-    engine = run.engine
-    engine.add_request("a", tokens(278), max_tokens=1)
-    engine.step()
-    engine.step()
-    engine.add_request("b", tokens(167, offset=500), max_tokens=1)
-    engine.run_until_idle()
-    chunks_of_b = [s.num_scheduled_tokens["b"] for s in engine.steps if "b" in s.num_scheduled_tokens]
-    cache = engine.byte_cache
-    if adapter.version in SERVES_AN_ATTENTION_BLOCK_AS_MAMBA_STATE:
-        with pytest.raises(AssertionError, match="byte check violated"):
-            run.request(tokens(150, offset=500))
-        assert chunks_of_b == [64, 64, 32, 7]
-        assert cache.violations == [
-            "step 7: r0: Mamba state (group 1) read at token 144: 1 wrong: block 34 holds group 0 content up "
-            "to token 167, expected group 1 content up to token 144"
-        ]
-        return
+    run = offload_engine(adapter, geometry=HybridGeometry(max_num_batched_tokens=128))
+    assert run.engine.byte_cache is not None  # on by default with the plugin, every wheel
+    chunks_of_b = _fresh_hit_after_b(run)
     hit = run.request(tokens(150, offset=500))
+    cache = run.engine.byte_cache
     assert cache.violations == []
     if adapter.cache_block_size_is_mamba_block_size:
         assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([64, 64, 32, 7], 128, 0)
     else:
         assert (chunks_of_b, hit, cache.stats.off_grid_mamba_states) == ([112, 48, 7], 128, 1)
+
+
+def test_stock_connector_path_hit_holds_every_groups_data(no_plugin, adapter):
+    """A vLLM 0.26 bug the byte check found, pinned: with a connector, the 0.26 scheduler takes
+    the deepest group's local hit (attention: 144 tokens of B's prefix) although the Mamba group
+    holds no state there (128 is its last); nothing loads one, so the request reads the fresh
+    Mamba block 34 - B's last attention block, freed - as the state after 144. 0.27 reconciles
+    to 128 (the plugin's connector_hit_reconcile does on 0.26: test above)."""
+    from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
+    from hybrid_kv_plugin.sim import HybridGeometry
+
+    geometry = HybridGeometry(max_num_batched_tokens=128)
+    default = offload_engine(adapter, STOCK_CONNECTOR_NAME, geometry=geometry)
+    # SimEngine runs the byte check by default wherever the wheel as patched serves right bytes.
+    assert (default.engine.byte_cache is None) == adapter.connector_lookup_takes_deepest_group
+    run = offload_engine(adapter, STOCK_CONNECTOR_NAME, geometry=geometry, byte_check=True)
+    _fresh_hit_after_b(run)
+    cache = run.engine.byte_cache
+    if adapter.connector_lookup_takes_deepest_group:
+        with pytest.raises(AssertionError, match="byte check violated"):
+            run.request(tokens(150, offset=500))
+        assert run.engine.outcomes["r0"].hit_tokens == 144
+        assert cache.violations == [
+            "step 7: r0: Mamba state (group 1) read at token 144: 1 wrong: block 34 holds group 0 content up "
+            "to token 167, expected group 1 content up to token 144"
+        ]
+        return
+    assert run.request(tokens(150, offset=500)) == 128
+    assert cache.violations == []

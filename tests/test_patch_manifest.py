@@ -20,9 +20,11 @@ REMOVAL_NOTES = {
     "nixl_save_meta": "0.27.0",
     "nixl_worker_pairing": "0.27.0",
     "junction_coordinator": "0.30.0",
+    "connector_hit_reconcile": "0.27.0",
     "junction_split": "0.30.0",
     "mamba_boundary_handoffs": "0.29.0",
     "boundary_handoff_publish": "0.29.0",
+    "mamba_allocated_mark": "0.28.0",
     "truncate_mamba_lookup": "0.28.0",
     "prompt_tail_split": "not yet (present up to 0.33.0)",
     "prompt_tail_manager": "not yet (present up to 0.33.0)",
@@ -82,11 +84,12 @@ def test_installed_here_exactly_when_the_declared_range_says(adapter, name):
 PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
-        "junction_coordinator", "junction_split", "mamba_boundary_handoffs", "boundary_handoff_publish", "same_step_copy_chains",
+        "junction_coordinator", "connector_hit_reconcile", "junction_split", "mamba_boundary_handoffs",
+        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains",
+        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",

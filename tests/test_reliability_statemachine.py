@@ -35,7 +35,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
-from helpers import FA32_COW_ASSERTION
 from hybrid_kv_plugin.sim.soak import (
     FAMILIES,
     MAX_LIVE_REQUESTS,
@@ -212,8 +211,6 @@ def expected_floors(adapter, variant) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_randomized_faults_keep_invariants(request, plugin, adapter, summary, name):
-    if name == "plugin-fa32" and adapter.version in FA32_COW_ASSERTION:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="open bug: see helpers.FA32_COW_ASSERTION"))
     variant = next((v for v in variants(adapter) if v.name == name), None)
     if variant is None:
         pytest.skip(f"vLLM {adapter.version} offers no variant {name!r} (prompt_tail_checkpoint and mamba_output_checkpoint need 0.29+)")

@@ -65,6 +65,12 @@ class VllmAdapter:
     # The scheduler trims a local hit for a longer external one with a truncate that asserts
     # every group covers the prefix, Mamba included (0.27 only; patch truncate_mamba_lookup).
     mamba_lookup_trim_patch_needed: ClassVar[bool] = False
+    # With a KV connector on a hybrid model the scheduler takes the deepest group's local
+    # hit, whose boundary a lagging group holds no data for (0.26; patch connector_hit_reconcile).
+    connector_lookup_takes_deepest_group: ClassVar[bool] = False
+    # The align-mode Mamba manager marks a request allocated even when a call needs no new
+    # block (0.28+); older wheels mark only calls that allocate (patch mamba_allocated_mark).
+    mamba_marks_requests_allocating_nothing: ClassVar[bool] = True
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
     has_native_nixl_ssm_clip: ClassVar[bool] = False
     # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one

@@ -22,6 +22,9 @@ class Vllm026Adapter(VllmAdapter):
     simplecpu_worker_submits_without_forward = True
     # 0.26 has no local-hit trim for a longer external hit (0.27 does; 0.28 caps Mamba groups).
     mamba_lookup_trim_patch_needed = False
+    # Its connector path serves max(per-group hits) as the local prefix (0.27 reconciles).
+    connector_lookup_takes_deepest_group = True
+    mamba_marks_requests_allocating_nothing = False
 
     def installs_backport(self, feature: Feature) -> bool:
         if feature is Feature.NIXL_SSM_SLOT_PAIRING and _nixl_scheduler_clips_ssm():

@@ -14,6 +14,7 @@ class Vllm027Adapter(Vllm026Adapter):
     mamba_tracks_partial_tail_producers = True
     # Its local-hit trim asserts every group covers the prefix, Mamba included.
     mamba_lookup_trim_patch_needed = True
+    connector_lookup_takes_deepest_group = False
     # A producer's prompt-tail copy is offered as SchedulerOutput.partial_tail_offloads and
     # pinned by the KV-cache manager until the request's blocks are freed.
     kv_cache_manager_pins_partial_tails = True

@@ -12,6 +12,7 @@ class Vllm028Adapter(Vllm027Adapter):
     cache_block_size_is_mamba_block_size = False
     # truncate_computed_blocks caps Mamba groups itself.
     mamba_lookup_trim_patch_needed = False
+    mamba_marks_requests_allocating_nothing = True
     simplecpu_stock_keys = Vllm027Adapter.simplecpu_stock_keys | {
         "kv_offload_backend",
         "disk_path",

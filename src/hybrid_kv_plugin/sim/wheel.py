@@ -134,12 +134,20 @@ def boundary_handoffs(adapter: VllmAdapter, scheduler_output: Any) -> dict[str, 
     }
 
 
-def byte_check_models(adapter: Any) -> bool:
-    """Whether :mod:`sim.byte_cache`'s model of where the runner keeps Mamba states holds here.
+def byte_check_models(adapter: Any, has_connector: bool) -> bool:
+    """Whether the wheel, as patched in this process, serves the bytes :mod:`sim.byte_cache` checks.
 
-    Not on a wheel whose Mamba manager does not track partial-tail producers (0.26): there
-    the byte check reads zeroed or foreign blocks as hit states in replay, bench and the
-    randomized suite, stock connector and plugin alike - a finding not yet explained (the
-    model or vLLM). Until it is, ``SimEngine`` runs such wheels without it by default.
+    Not where the scheduler takes the deepest KV-cache group's local hit for a request
+    looked up with a connector (0.26) and the plugin's ``connector_hit_reconcile`` is not
+    installed: stock vLLM 0.26 then starts requests from Mamba blocks nobody wrote (a vLLM
+    bug, pinned in ``tests/test_byte_cache.py``); a byte check would only find it again.
     """
-    return bool(adapter.mamba_tracks_partial_tail_producers)
+    if not (has_connector and adapter.connector_lookup_takes_deepest_group):
+        return True
+    import inspect
+
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    from hybrid_kv_plugin.patching import is_patched
+
+    return is_patched(inspect.getattr_static(HybridKVCacheCoordinator, "find_longest_cache_hit_per_group"))
