@@ -84,7 +84,7 @@ def test_installed_here_exactly_when_the_declared_range_says(adapter, name):
 PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
-        "junction_coordinator", "connector_hit_reconcile", "junction_split", "mamba_boundary_handoffs",
+        "connector_hit_reconcile", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
         "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains",
     ],
     "0.27.1": [

