@@ -70,6 +70,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
+        "connector-path-hit-not-reconciled",
+        "patches/connector_hit_reconcile.py",
+        "        if len(set(hits)) <= 1:\n",
+        "        if True:\n",
+        ("tests/test_replay_production.py::test_long_prompt_replays_on_the_qwen3_next_geometry",),
+        ("0.26.0",),
+    ),
+    Mutant(
         "loads-placed-from-slot-0",
         FINE,
         "            first_slot = pending.local_tokens // size\n",
