@@ -232,7 +232,11 @@ def test_every_changed_patch_target_leaves_vllm_stock(no_plugin, monkeypatch, pl
                 for other in specs[: specs.index(spec) + 1]
                 if lines[0].startswith(f"hybrid-kv-plugin: inert, nothing patched: patch target {other.target} changed")
             )
-            if named != spec.target:
+            if named.startswith(f"{spec.target}."):
+                # An earlier patch of a method of the changed class (0.26: connector_hit_reconcile
+                # before junction_coordinator) no longer finds its method.
+                assert f"({named.rsplit('.', 1)[1]} not found)" in lines[0], lines[0]
+            elif named != spec.target:
                 assert f"{owner.__name__}.{attr} is not (" in lines[0], lines[0]
             assert lines[0].endswith("supported vLLM >=0.26.0,<0.34.0")
             for other, other_owner, other_attr, other_original in resolved:
