@@ -128,37 +128,40 @@ def test_changed_schedule_leaves_the_plugin_inert(no_plugin, adapter, deadlock_s
 
 # ---------------------------------------------------------------------------------------------
 # Same-step copy chains (patches/same_step_copy_chains.py), found by the byte check: seed 0 of
-# ``plugin-fa32`` (attention 32 over a 16-token unit) admits q223 and q225 in one step; both hit
-# 80 tokens of a cached partial block. q223's private copy of it is q225's hit, and the worker
-# runs both copies as one batch, so q225's copy reads the zeroed block. Per wheel: the step and
-# q225's block id where the unpatched run reads zeros.
-COPY_CHAIN_SEEDS = {
-    "0.29.0": (2251, 2), "0.30.0": (2255, 3), "0.31.0": (2253, 1), "0.32.0": (2262, 7), "0.33.0": (2262, 7),
+# ``plugin-fa32`` (attention 32 over a 16-token unit) admits requests in one step that hit a
+# cached partial block (0.28+: q223, then q225 at 80 tokens; 0.26/0.27: q416 and q417 read at
+# 208). An earlier one's private copy of it is a later one's hit, and the worker runs a step's
+# copies as one batch, so that copy reads the zeroed block. Per wheel: the steps the soak
+# runs, and each zeroed read of the unpatched run as (step, request, chunk end, block id).
+def _zeroed_read(step: int, request: str, hit: int, chunk_end: int, block: int) -> str:
+    return (f"step {step}: {request}: attention (group 0) before tokens {hit}..{chunk_end}: 1 wrong: "
+            f"block {block} holds zeroed, expected group 0 content up to token {hit}")
+
+
+COPY_CHAIN_RUNS = {
+    "0.26.0": (4_200, [(4128, "q416", 208, 240, 16), (4128, "q417", 208, 256, 1)]),
+    "0.27.1": (4_200, [(4143, "q416", 208, 240, 12), (4143, "q417", 208, 256, 19)]),
+    "0.28.0": (2_400, [(2260, "q225", 80, 96, 19)]),
+    "0.29.0": (2_400, [(2251, "q225", 80, 96, 2)]),
+    "0.30.0": (2_400, [(2255, "q225", 80, 96, 3)]),
+    "0.31.0": (2_400, [(2253, "q225", 80, 96, 1)]),
+    "0.32.0": (2_400, [(2262, "q225", 80, 96, 7)]),
+    "0.33.0": (2_400, [(2262, "q225", 80, 96, 7)]),
 }
 
 
-@pytest.fixture
-def copy_chain_seed(adapter):
-    if adapter.version not in COPY_CHAIN_SEEDS:
-        pytest.skip(f"vLLM {adapter.version}: seed 0 of plugin-fa32 makes no same-step copy chain there")
-    return COPY_CHAIN_SEEDS[adapter.version]
-
-
-def test_same_step_copy_chain_reads_the_bytes_it_means(plugin, adapter, copy_chain_seed, monkeypatch):
+def test_same_step_copy_chain_reads_the_bytes_it_means(plugin, adapter, monkeypatch):
     from hybrid_kv_plugin.patches import same_step_copy_chains
 
-    step, block = copy_chain_seed
+    steps, zeroed_reads = COPY_CHAIN_RUNS[adapter.version]
     variant = _variant(adapter, "plugin-fa32")
-    counts, _, violations = soak(adapter, variant, 2_400, seed=0)
+    counts, _, violations = soak(adapter, variant, steps, seed=0)
     assert violations == []
     assert counts.byte_violations == 0
     # Ablate the plugin's own resolution (not vLLM code): the chain reads a zeroed block again.
     monkeypatch.setattr(same_step_copy_chains, "resolve_copy_chains", lambda copies: copies)
-    _, _, violations = soak(adapter, variant, 2_400, seed=0)
-    assert violations == [
-        f"step {step}: q225: attention (group 0) before tokens 80..96: 1 wrong: block {block} holds zeroed, "
-        "expected group 0 content up to token 80"
-    ]
+    _, _, violations = soak(adapter, variant, steps, seed=0)
+    assert violations == [_zeroed_read(*read) for read in zeroed_reads]
 
 
 def test_copy_chains_resolve_to_the_first_source():
