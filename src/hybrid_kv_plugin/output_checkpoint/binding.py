@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -71,14 +72,10 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
             "disabled (prefix-match unit not finer than the Mamba block)",
         )
         return None
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
     step = scheduler.hash_block_size
     attention: list[Any] = []
     for manager in coordinator.single_type_managers:
-        # Exactly full attention is keyed inside its blocks; its subclasses (sliding, ring,
-        # sparse) free or reuse blocks, so a hit there must end on their block grid.
-        if type(manager) is FullAttentionManager:
+        if keyable_inside_blocks(manager):
             attention.append(manager)
         elif getattr(manager, "mamba_cache_mode", None) is None:
             step = math.lcm(step, manager.block_size)

@@ -16,6 +16,14 @@ from typing import Any
 from hybrid_kv_plugin.prompt_tail.policy import PromptTailPolicy
 
 
+def keyable_inside_blocks(manager: Any) -> bool:
+    """Whether ``manager`` can be keyed inside its blocks: exactly full attention. Its subclasses
+    (sliding, ring, sparse) free or reuse blocks, so a hit there must end on their block grid."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    return type(manager) is FullAttentionManager
+
+
 def key_attention_block(manager: Any, request: Any, position: int) -> None:
     """Key the attention block holding ``position`` there (nothing at a block end: a full key)."""
     blocks = manager.req_to_blocks[request.request_id]

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
 from hybrid_kv_plugin.prompt_tail.policy import NATIVE, PromptTailPolicy
 
 if TYPE_CHECKING:
@@ -54,10 +55,7 @@ def _bind(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
         native_eagle_shift=adapter.native_prompt_tail_eagle_shift,
     )
     setattr(scheduler, SCHEDULER_POLICY_ATTR, policy)
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
     for manager in coordinator.single_type_managers:
-        # Exactly full attention: its subclasses (sliding, ring, sparse) free or reuse blocks.
-        if getattr(manager, "mamba_cache_mode", None) == "align" or type(manager) is FullAttentionManager:
+        if getattr(manager, "mamba_cache_mode", None) == "align" or keyable_inside_blocks(manager):
             setattr(manager, MANAGER_POLICY_ATTR, policy)
     return policy
