@@ -246,4 +246,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_output_checkpoint.py::test_engine_geometry_under_retention_0",),
         ("0.33.0",),
     ),
+    Mutant(
+        "inert-patches-peeled-whatever-the-option",
+        "patching.py",
+        "    while (inert := getattr(target, INERT_MARKER, None)) is not None and inert(obj, scheduler):\n",
+        "    while (inert := getattr(target, INERT_MARKER, None)) is not None:\n",
+        # Every engine would skip the prompt-tail split and manager patches, option on or off.
+        ("tests/test_prompt_tail_checkpoint.py::test_both_serves_exact_replays_and_continuations",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "junction-open-plan-binds-the-stock-coordinator",
+        "junction/coordinator.py",
+        "        if not plan.enabled:\n",
+        "        if True:\n",
+        # The switch on would neither re-type the Mamba managers nor hand them the replay boundaries.
+        ("tests/test_junction_checkpoint.py::test_switch_selects_backport_or_native",),
+        ("0.29.0",),
+    ),
 )

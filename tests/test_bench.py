@@ -23,9 +23,10 @@ def test_bench_times_only_scheduler_calls_and_interleaves(adapter):
     assert (out["name"], out["requests"]) == ("small", 10)
     stock = out["configs"]["stock"]
     assert stock["step_cpu_us"] == {"min": 2e6, "median": 2e6, "max": 2e6}
+    assert stock["step_floor_us"] == 2e6
     if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
         assert set(out["configs"]["plugin"]) == {"refused"}
-        assert "ratio_plugin_vs_stock" not in out
+        assert "ratio_plugin_vs_stock" not in out and "floor_ratio_plugin_vs_stock" not in out
         return
     plugin = out["configs"]["plugin"]
     steps = STEPS[adapter.version]
@@ -35,6 +36,7 @@ def test_bench_times_only_scheduler_calls_and_interleaves(adapter):
     assert (plugin["ideal_tokens"], plugin["reused_tokens"]) == (reference["ideal_tokens"], expected_reuse)
     assert plugin["efficiency"] == round(expected_reuse / reference["ideal_tokens"], 4)
     assert out["ratio_plugin_vs_stock"] == {"min": 1.0, "median": 1.0, "max": 1.0, "per_repeat": [1.0, 1.0, 1.0]}
+    assert (plugin["step_floor_us"], out["floor_ratio_plugin_vs_stock"]) == (2e6, 1.0)
 
 
 def test_bench_command_reports_both_cases_structure(capsys):
@@ -48,7 +50,7 @@ def test_bench_command_reports_both_cases_structure(capsys):
     assert (case["name"], case["requests"]) == ("default", 31)
     assert set(case["configs"]) == {"stock", "plugin"}
     stock = case["configs"]["stock"]
-    assert set(stock) == {"requests", "steps", "ideal_tokens", "reused_tokens", "efficiency", "step_cpu_us"}
+    assert set(stock) == {"requests", "steps", "ideal_tokens", "reused_tokens", "efficiency", "step_cpu_us", "step_floor_us"}
     assert stock["ideal_tokens"] == 7824
     assert set(stock["step_cpu_us"]) == {"min", "median", "max"}
 
@@ -102,3 +104,11 @@ def test_bench_command_refuses_unknown_configs(capsys):
     )
     assert console_main(["bench", "--requests", "0", "--repeats", "1", "--configs", "stock,stock"]) == 2
     assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,stock': each configuration at most once\n"
+
+
+def test_the_floor_is_each_steps_minimum_over_the_repeats():
+    from hybrid_kv_plugin.sim.bench import _floor
+
+    # Step 0 costs 3 at best, step 1 costs 5 at best: a slow repeat never moves the floor.
+    assert _floor([[3.0, 9.0], [7.0, 5.0], [4.0, 6.0]]) == 4.0
+    assert _floor([[2.0, 2.0]]) == 2.0

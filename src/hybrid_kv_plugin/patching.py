@@ -7,6 +7,8 @@ build its replacement from the original. :class:`PatchSet` resolves and checks
 *every* target before it touches any: one mismatch and nothing is patched.
 Originals are recorded so :meth:`PatchSet.uninstall` restores vLLM exactly
 (including deleting an attribute that a subclass only inherited before).
+:func:`bypass_inert_patches` lets one object skip the patches whose option is off for
+it (``PatchSpec.inert_for``), so an engine pays nothing per step for them.
 :class:`Installs` is what each patch module declares for the manifest
 (:mod:`hybrid_kv_plugin.patches`): on which wheels the patch applies.
 """
@@ -18,11 +20,14 @@ import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any
 
 from hybrid_kv_plugin.process_role import Side
 
 PATCH_MARKER = "__hybrid_kv_patch__"
+# On a replacement: its spec's ``inert_for`` (None: never bypassed).
+INERT_MARKER = "__hybrid_kv_inert_for__"
 
 
 class PatchMismatch(RuntimeError):
@@ -137,6 +142,9 @@ class PatchSpec:
     upstream: str = ""
     # The vLLM side that calls the patched attribute; a process installs only its sides' patches.
     side: Side = Side.SCHEDULER
+    # (object, the scheduler it belongs to) -> True when, for that object's whole life, the
+    # replacement only calls the original (its option is off there): see bypass_inert_patches.
+    inert_for: Callable[[Any, Any], bool] | None = None
 
     def resolve(self) -> tuple[Any, str, Any]:
         """Return ``(owner, attribute name, original)`` or raise :class:`PatchMismatch`."""
@@ -205,6 +213,8 @@ class PatchSet:
                 replacement = spec.build(original)
                 try:
                     setattr(replacement, PATCH_MARKER, spec.name)
+                    # Always set: ``functools.wraps`` copied the wrapped patch's marker.
+                    setattr(replacement, INERT_MARKER, spec.inert_for)
                 except (AttributeError, TypeError):
                     pass
                 owned = isinstance(owner, type) and attr in vars(owner) or not isinstance(owner, type)
@@ -230,3 +240,21 @@ class PatchSet:
 
 def is_patched(obj: Any) -> bool:
     return hasattr(obj, PATCH_MARKER)
+
+
+def bypass_inert_patches(obj: Any, attr: str, scheduler: Any) -> bool:
+    """Bind method ``attr`` on ``obj`` itself past the outermost patches that are inert for it.
+
+    A patch whose option is off for an engine still costs a call on every use, and its
+    targets run every scheduler step. Peeling stops at the first replacement that is not
+    a plugin patch inert for ``obj`` (another plugin's, or one whose option is on), so
+    only calls that would pass straight through are skipped. True if anything was bound.
+    """
+    method = getattr(type(obj), attr, None)
+    target = method
+    while (inert := getattr(target, INERT_MARKER, None)) is not None and inert(obj, scheduler):
+        target = target.__wrapped__
+    if target is method:
+        return False
+    obj.__dict__[attr] = MethodType(target, obj)
+    return True

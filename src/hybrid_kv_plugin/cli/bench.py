@@ -63,7 +63,7 @@ def render_bench(report: dict, out: TextIO) -> None:
     for case in report["cases"]:
         w(f"\n{case['name']} ({case['requests']} requests)\n")
         width = max(10, *(len(name) for name in case["configs"]))
-        w(f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8}\n")
+        w(f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8} {'floor':>8}\n")
         for name, entry in case["configs"].items():
             if "refused" in entry:
                 w(f"  {name:<{width}} refused: {entry['refused']}\n")
@@ -71,12 +71,14 @@ def render_bench(report: dict, out: TextIO) -> None:
             t = entry.get("step_cpu_us", {})
             w(
                 f"  {name:<{width}} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
-                f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f}\n"
+                f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f} "
+                f"{entry.get('step_floor_us', 0):>8.1f}\n"
             )
         for key, ratio in case.items():
             if key.startswith("ratio_"):
                 label = key[len("ratio_") :].replace("_vs_", " / ")
                 w(
-                    f"  ratio {label}: median {ratio['median']:.4f} (min {ratio['min']:.4f}, max {ratio['max']:.4f}; "
-                    f"per repeat {', '.join(f'{r:.3f}' for r in ratio['per_repeat'])})\n"
+                    f"  ratio {label}: per-step floor {case['floor_' + key]:.4f}; per repeat median "
+                    f"{ratio['median']:.4f} (min {ratio['min']:.4f}, max {ratio['max']:.4f}; "
+                    f"{', '.join(f'{r:.3f}' for r in ratio['per_repeat'])})\n"
                 )

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 from hybrid_kv_plugin.config import connector_options_from
 from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
-from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
+from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS, BoundaryStoreStats
 from hybrid_kv_plugin.registration import current_adapter
 
 
@@ -39,7 +39,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             self.offload_mode is OffloadMode.BACKPORT and not adapter.simplecpu_worker_submits_without_forward
         )
         self._stores_submitted = True
-        self._outcomes_reported = BoundaryStoreStats()
+        self._outcomes_reported = dict(BoundaryStoreStats().__dict__)  # the counters last reported
         self._outcomes_source: BoundaryStoreStats | None = None  # the live counters last compared
         self._native_metrics = adapter.has_native_simplecpu_metrics
         super().__init__(vllm_config, role, kv_cache_config)
@@ -84,31 +84,35 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             return BoundaryStoreStats.from_native(super().get_boundary_store_stats())
         return BoundaryStoreStats()
 
-    def _outcome_growth(self) -> dict[StoreOutcome, int]:
-        # Read every step: compare the live counters first and snapshot only when they moved.
-        manager = getattr(self, "scheduler_manager", None)
-        if self.offload_mode is OffloadMode.BACKPORT and manager is not None:
-            current = manager.boundary_store_stats
+    def _outcome_growth(self) -> dict[str, int]:
+        """Per outcome label, how much its counter grew since the last report (only those that grew)."""
+        if self.offload_mode is OffloadMode.STOCK:
+            return {}  # nothing consumes the hand-offs: every counter stays 0
+        # Read every step: compare the live counters (the backport's, or 0.30's native ones)
+        # first, and snapshot only when they moved.
+        live = getattr(getattr(self, "scheduler_manager", None), "boundary_store_stats", None)
+        if live is None:
+            now = self.get_boundary_store_stats().__dict__
+        else:
             # Counters only grow and ``published`` moves with each of them, so the same
             # object with the same total has not moved (a reset replaces the object).
-            if current is self._outcomes_source and current.published == self._outcomes_reported.published:
+            if live is self._outcomes_source and live.published == self._outcomes_reported["published"]:
                 return {}
-            self._outcomes_source = current
-        else:
-            current = self.get_boundary_store_stats()
+            self._outcomes_source = live
+            now = live.__dict__ if self.offload_mode is OffloadMode.BACKPORT else BoundaryStoreStats.from_native(live).__dict__
+        # Plain dicts keyed by the outcome labels (the counter fields): this runs on every
+        # step that offered a hand-off, where dataclass snapshots cost a measurable share.
         reported = self._outcomes_reported
-        if current.__dict__ == reported.__dict__:
+        if now == reported:
             return {}
-        self._outcomes_reported = current.copy()
-        return current.minus(reported)
+        self._outcomes_reported = dict(now)
+        return {label: now[label] - reported[label] for label in OUTCOME_LABELS if now[label] > reported[label]}
 
     def get_kv_connector_stats(self) -> Any:
         if self._native_metrics:
             return super().get_kv_connector_stats()
         growth = self._outcome_growth()
-        if not growth:
-            return None
-        return OffloadOutcomeStats.of(growth)
+        return OffloadOutcomeStats(data=growth) if growth else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

@@ -3,15 +3,18 @@
 A subclass of the wheel's ``HybridKVCacheCoordinator``, installed as that module
 global (``get_kv_cache_coordinator`` looks the name up at call time, so every
 hybrid coordinator built afterwards - the scheduler's and any connector's - is
-one). It upgrades the Mamba managers it builds to the junction subclass, computes
-the plan once when its scheduler binds it (:func:`plan_of`), hands the plan to
-those managers and, while the plan is open, hands them the EAGLE-aware replay
-boundaries on every ``cache_blocks`` call. Unbound, it is the stock coordinator.
+one). It computes the plan once when its scheduler binds it (:func:`plan_of`, at the
+end of the scheduler's constructor). An open plan upgrades its Mamba managers to the
+junction subclass, which gets the plan, and hands them the EAGLE-aware replay
+boundaries on every ``cache_blocks`` call. A closed plan leaves the managers the
+wheel's own and binds the stock ``cache_blocks`` on the coordinator, so the switch off
+costs nothing per step. Unbound (a connector's CPU-side coordinator), it is the stock
+coordinator.
 """
 
 from __future__ import annotations
 
-import functools
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction.gate import JunctionPlan, junction_plan, replay_boundaries
@@ -27,11 +30,20 @@ class JunctionCoordinatorMixin:
     # None until the scheduler owning this coordinator binds it.
     junction_plan: JunctionPlan | None = None
     _junction_manager_cls: type
+    _stock_mamba_manager_cls: type
+    _stock_coordinator_cls: type
     _junction_adapter: VllmAdapter
 
     def bind_junction(self, switch: bool) -> JunctionPlan:
         plan = junction_plan(switch, self, self._junction_adapter)
         self.junction_plan = plan
+        if not plan.enabled:
+            self.cache_blocks = MethodType(self._stock_coordinator_cls.cache_blocks, self)
+            return plan
+        for manager in self.single_type_managers:  # type: ignore[attr-defined]
+            # Exactly the stock class: a manager some other plugin registered is left alone.
+            if type(manager) is self._stock_mamba_manager_cls:
+                adopt(manager, self._junction_manager_cls)
         for manager in self._junction_managers():
             manager.apply_plan(plan)
         return plan
@@ -46,17 +58,9 @@ def junction_coordinator_class(stock: type, stock_mamba_manager: type, adapter: 
 
     class JunctionHybridKVCacheCoordinator(JunctionCoordinatorMixin, stock):  # type: ignore[misc, valid-type]
         _junction_manager_cls = manager_cls
+        _stock_mamba_manager_cls = stock_mamba_manager
+        _stock_coordinator_cls = stock
         _junction_adapter = adapter
-
-        # Same signature as the stock constructor (the patch fingerprint reads it, also
-        # while the subclass is installed).
-        @functools.wraps(stock.__init__)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            for manager in self.single_type_managers:
-                # Exactly the stock class: a manager some other plugin registered is left alone.
-                if type(manager) is stock_mamba_manager:
-                    adopt(manager, manager_cls)
 
         # ``stock.cache_blocks`` rather than ``super()``: the same method (the mixin has
         # none), cheaper on a path that runs every step.
@@ -91,8 +95,8 @@ def plan_of(scheduler: Any) -> JunctionPlan:
 
     The switch lives on the scheduler (``hybrid_kv_config``, set before its stock
     constructor runs) but the coordinator is built inside that constructor, so the
-    binding happens the first time the scheduler asks - always before the first
-    chunk it schedules is cached.
+    binding happens the first time the scheduler asks: at the end of that constructor
+    (:mod:`hybrid_kv_plugin.inert_patches`), before any chunk is scheduled.
     """
     plan = scheduler.__dict__.get(SCHEDULER_PLAN_ATTR)
     if plan is not None:  # asked every prefill chunk; a bound plan never changes

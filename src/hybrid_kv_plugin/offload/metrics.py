@@ -10,20 +10,19 @@ connector class's ``build_prom_metrics()`` object, which increments the counter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from hybrid_kv_plugin.offload.stats import StoreOutcome
+from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS
 
 SAVE_OUTCOMES = "vllm:simple_kv_offload_save_outcomes_total"
 SAVE_OUTCOMES_HELP = (
     "Store admission decisions of SimpleCPU offload for Mamba boundary hand-offs, by outcome "
     "(exported by hybrid-kv-plugin on wheels without the native series)."
 )
-_OUTCOMES = {o.value for o in StoreOutcome}
+_OUTCOMES = frozenset(OUTCOME_LABELS)
 
 
 @dataclass
@@ -34,10 +33,6 @@ class OffloadOutcomeStats(KVConnectorStats):
         unknown = set(self.data) - _OUTCOMES
         if unknown:
             raise ValueError(f"unknown SimpleCPU store outcome(s) {sorted(unknown)}")
-
-    @classmethod
-    def of(cls, growth: Mapping[StoreOutcome, int]) -> OffloadOutcomeStats:
-        return cls(data={outcome.value: n for outcome, n in growth.items() if n})
 
     def reset(self) -> None:
         self.data = {}

@@ -26,8 +26,8 @@ class StoreOutcome(str, Enum):
     SKIPPED_IN_FLIGHT = "skipped_in_flight"
 
 
-# (outcome, its counter field), resolved once: the metrics read the growth every step.
-_OUTCOME_FIELDS = tuple((o, o.value) for o in StoreOutcome)
+# Each outcome's label, which is also its counter field (the metrics read the growth every step).
+OUTCOME_LABELS = tuple(o.value for o in StoreOutcome)
 
 
 @dataclass
@@ -53,15 +53,8 @@ class BoundaryStoreStats:
         return dataclasses.asdict(self)
 
     def copy(self) -> BoundaryStoreStats:
-        """A snapshot (every field is an int); cheaper than ``dataclasses.replace``, read each step."""
+        """A snapshot (every field is an int); cheaper than ``dataclasses.replace``."""
         return BoundaryStoreStats(**self.__dict__)
-
-    def minus(self, earlier: BoundaryStoreStats) -> dict[StoreOutcome, int]:
-        """Per-outcome growth since ``earlier`` (a snapshot); outcomes that did not grow are left out."""
-        mine, theirs = self.__dict__, earlier.__dict__
-        if mine == theirs:  # the usual step: nothing was offered
-            return {}
-        return {o: mine[f] - theirs[f] for o, f in _OUTCOME_FIELDS if mine[f] > theirs[f]}
 
     @classmethod
     def from_native(cls, native: Any) -> BoundaryStoreStats:

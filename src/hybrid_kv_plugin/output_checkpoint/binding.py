@@ -57,10 +57,14 @@ class OutputCheckpoint:
         return 2 if self.eagle_drop else 1
 
 
+def output_checkpoint_requested(scheduler: Any) -> bool:
+    """The scheduler's ``mamba_output_checkpoint`` option (its managers are bound only when it is on)."""
+    return bool(getattr(getattr(scheduler, "hybrid_kv_config", None), "mamba_output_checkpoint", False))
+
+
 def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
     """Bind the scheduler's option to its ``align`` Mamba managers; None when it stays off."""
-    config = getattr(scheduler, "hybrid_kv_config", None)
-    if not getattr(config, "mamba_output_checkpoint", False):
+    if not output_checkpoint_requested(scheduler):
         return None
     coordinator = scheduler.kv_cache_manager.coordinator
     if not getattr(coordinator, "enable_partial_hash_hits", False):

@@ -54,6 +54,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="end a prefill chunk at the exact shared-prefix junction (and the EAGLE prompt tail)",
         upstream="vLLM PR #53945",
+        inert_for=lambda scheduler, _: not plan_of(scheduler).enabled,
     )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR
+from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR, output_checkpoint_requested
 from hybrid_kv_plugin.output_checkpoint.rolling import at_output_boundary, note_copies
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 from hybrid_kv_plugin.patches.prompt_tail_manager import PARAMS, TARGET
@@ -62,6 +62,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="keep the Mamba state at the last prefix-match-unit boundary of each answer",
         upstream="none (vLLM issue #56972: decode-phase Mamba states are never stored)",
+        inert_for=lambda _, scheduler: not output_checkpoint_requested(scheduler),
     )
 
 

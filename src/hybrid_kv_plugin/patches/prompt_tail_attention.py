@@ -30,9 +30,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR as OUTPUT_CHECKPOINT_ATTR
+from hybrid_kv_plugin.output_checkpoint.binding import output_checkpoint_requested
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 from hybrid_kv_plugin.prompt_tail.attention import add_partial_keys, key_attention_block
-from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
+from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, prompt_tail_bound
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -50,6 +51,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=_wrap,
         why="key the attention blocks at every sub-block position prompt_tail_checkpoint or mamba_output_checkpoint keeps",
         upstream="none (vLLM keys one attention prompt-tail position)",
+        inert_for=lambda manager, scheduler: not prompt_tail_bound(manager) and not output_checkpoint_requested(scheduler),
     )
 
 

@@ -26,7 +26,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
-from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
+from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, prompt_tail_bound
 from hybrid_kv_plugin.mamba_partial_state import KEEP_PARTIAL_STATE_READS, keep_partial_state
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="keep the prompt-tail Mamba states prompt_tail_checkpoint names (replay, both)",
         upstream="none (vLLM 0.32 keeps one prompt-tail position, at <= N-1)",
+        inert_for=lambda manager, _: not prompt_tail_bound(manager),
     )
 
 

@@ -49,6 +49,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="end a prefill chunk at each prompt-tail position prompt_tail_checkpoint keeps",
         upstream="none (vLLM 0.32 keeps one prompt-tail position, at <= N-1)",
+        inert_for=lambda scheduler, _: not policy_of(scheduler, adapter).active,
     )
 
 

@@ -12,7 +12,9 @@ junction switch on an engine without EAGLE, or a non-native
 ``prompt_tail_checkpoint`` or ``mamba_output_checkpoint`` on a wheel older than 0.29, stops start-up with a message naming
 it), maps switches onto the wheel's native
 ``CacheConfig`` fields through the adapter, and exposes the validated config as
-``scheduler.hybrid_kv_config``. ``AsyncScheduler`` inherits the patched constructor.
+``scheduler.hybrid_kv_config``. After the stock constructor, the per-step methods of
+the scheduler and its managers skip the patches whose option is off for this engine
+(:mod:`hybrid_kv_plugin.inert_patches`). ``AsyncScheduler`` inherits the patched constructor.
 
 Upstream: none, this is plugin infrastructure; it stays on every supported wheel
 (0.26.0-0.33.x).
@@ -31,6 +33,7 @@ from hybrid_kv_plugin.config import (
     check_switch_needs_eagle,
     plugin_config_from,
 )
+from hybrid_kv_plugin.inert_patches import bypass_inert_patches_of
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
@@ -78,5 +81,6 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         adapter.apply_native_flags(vllm_config, plugin_config)
         self.hybrid_kv_config = plugin_config
         original(self, vllm_config, *args, **kwargs)
+        bypass_inert_patches_of(self)
 
     return __init__

@@ -33,6 +33,12 @@ def policy_of(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
     return policy
 
 
+def prompt_tail_bound(manager: Any) -> bool:
+    """Whether ``manager`` was bound to a policy that keeps a position (not ``native``)."""
+    policy = manager.__dict__.get(MANAGER_POLICY_ATTR)
+    return policy is not None and policy.active
+
+
 def _bind(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
     config = getattr(scheduler, "hybrid_kv_config", None)
     mode = getattr(config, "prompt_tail_checkpoint", NATIVE)

@@ -261,6 +261,8 @@ class StepTimer:
         self.clock = clock or time.process_time
         self.seconds = 0.0
         self.steps = 0
+        # Per step, in order over every segment: schedule() + its update_from_output().
+        self.per_step: list[float] = []
 
     def install(self, scheduler: Any) -> None:
         import gc
@@ -273,17 +275,23 @@ class StepTimer:
         clock = self.clock
         schedule, update = scheduler.schedule, scheduler.update_from_output
 
+        per_step = self.per_step
+
         def timed_schedule() -> Any:
             start = clock()
             out = schedule()
-            self.seconds += clock() - start
+            elapsed = clock() - start
+            self.seconds += elapsed
             self.steps += 1
+            per_step.append(elapsed)
             return out
 
         def timed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
             start = clock()
             out = update(scheduler_output, model_runner_output)
-            self.seconds += clock() - start
+            elapsed = clock() - start
+            self.seconds += elapsed
+            per_step[-1] += elapsed
             return out
 
         scheduler.schedule = timed_schedule
