@@ -59,8 +59,8 @@ def run_case(
     """Every configuration ``repeats`` times, ABBA-interleaved; ``configs[0]`` is the baseline."""
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    per_step: dict[str, list[float]] = {c.name: [] for c in configs}
-    step_lists: dict[str, list[list[float]]] = {c.name: [] for c in configs}
+    # Per configuration, per repeat: the CPU seconds of each step, in order.
+    step_times: dict[str, list[list[float]]] = {c.name: [] for c in configs}
     facts: dict[str, dict[str, Any]] = {}
     for repeat in range(repeats):
         order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
@@ -85,10 +85,10 @@ def run_case(
             if config.name in facts and facts[config.name] != observed:
                 raise RuntimeError(f"{case.name}/{config.name}: repeat {repeat + 1} is not deterministic")
             facts[config.name] = observed
-            per_step[config.name].append(timer.seconds / max(timer.steps, 1))
-            step_lists[config.name].append(timer.per_step)
+            step_times[config.name].append(timer.per_step)
     baseline = configs[0].name
-    floors = {name: _floor(runs) for name, runs in step_lists.items() if runs}
+    per_step = {name: [sum(run) / max(len(run), 1) for run in runs] for name, runs in step_times.items()}
+    floors = {name: _floor(runs) for name, runs in step_times.items() if runs}
     out: dict[str, Any] = {"name": case.name, "requests": case.requests, "configs": {}}
     for config in configs:
         entry = dict(facts[config.name])

@@ -259,8 +259,6 @@ class StepTimer:
         import time
 
         self.clock = clock or time.process_time
-        self.seconds = 0.0
-        self.steps = 0
         # Per step, in order over every segment: schedule() + its update_from_output().
         self.per_step: list[float] = []
 
@@ -274,24 +272,18 @@ class StepTimer:
         gc.freeze()
         clock = self.clock
         schedule, update = scheduler.schedule, scheduler.update_from_output
-
         per_step = self.per_step
 
         def timed_schedule() -> Any:
             start = clock()
             out = schedule()
-            elapsed = clock() - start
-            self.seconds += elapsed
-            self.steps += 1
-            per_step.append(elapsed)
+            per_step.append(clock() - start)
             return out
 
         def timed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
             start = clock()
             out = update(scheduler_output, model_runner_output)
-            elapsed = clock() - start
-            self.seconds += elapsed
-            per_step[-1] += elapsed
+            per_step[-1] += clock() - start
             return out
 
         scheduler.schedule = timed_schedule
