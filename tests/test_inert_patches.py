@@ -11,6 +11,7 @@ import inspect
 
 import pytest
 
+from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.patching import PATCH_MARKER, PatchSet, PatchSpec, bypass_inert_patches
 from hybrid_kv_plugin.sim import HybridGeometry
 
@@ -134,9 +135,13 @@ def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
 
 
 def test_prompt_tail_on_keeps_its_patches(plugin, make_engine, adapter):
+    config = {"hybrid_kv": {"prompt_tail_checkpoint": "both"}}
     if adapter.version not in PROMPT_TAIL_WHEELS:
-        pytest.skip(f"prompt_tail_checkpoint is refused on vLLM {adapter.version} (tested in test_prompt_tail_checkpoint)")
-    engine = make_engine(_geometry(), additional_config={"hybrid_kv": {"prompt_tail_checkpoint": "both"}})
+        # Refused at start-up, before anything could be bound (the message: test_prompt_tail_checkpoint).
+        with pytest.raises(PluginConfigError, match=r"prompt_tail_checkpoint: 'both' needs vLLM >= 0\.29\.0"):
+            make_engine(_geometry(), additional_config=config)
+        return
+    engine = make_engine(_geometry(), additional_config=config)
     bound = _bound(engine)
     # The split (outermost: prompt_tail_split) and both managers keep the class's patched path;
     # only the output checkpoint, off, is peeled from the Mamba manager.
@@ -147,9 +152,13 @@ def test_prompt_tail_on_keeps_its_patches(plugin, make_engine, adapter):
 
 
 def test_output_checkpoint_on_keeps_its_patches(plugin, make_engine, adapter):
+    config = {"hybrid_kv": {"mamba_output_checkpoint": True}}
     if adapter.version not in PROMPT_TAIL_WHEELS:
-        pytest.skip(f"mamba_output_checkpoint is refused on vLLM {adapter.version} (tested in test_output_checkpoint)")
-    engine = make_engine(_geometry(), additional_config={"hybrid_kv": {"mamba_output_checkpoint": True}})
+        # Refused at start-up, before anything could be bound (the message: test_output_checkpoint).
+        with pytest.raises(PluginConfigError, match=r"mamba_output_checkpoint: true needs vLLM >= 0\.29\.0"):
+            make_engine(_geometry(), additional_config=config)
+        return
+    engine = make_engine(_geometry(), additional_config=config)
     expected: dict[str, str] = {"scheduler": "stock"}
     if adapter.version in JUNCTION_BACKPORT_WHEELS:
         expected["coordinator"] = "stock"
