@@ -251,7 +251,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "patching.py",
         "    while (inert := getattr(target, INERT_MARKER, None)) is not None and inert(obj, scheduler):\n",
         "    while (inert := getattr(target, INERT_MARKER, None)) is not None:\n",
-        # Every engine would skip the prompt-tail split and manager patches, option on or off.
+        # Every engine would skip the prompt-tail split, option on or off.
         ("tests/test_prompt_tail_checkpoint.py::test_both_serves_exact_replays_and_continuations",),
         ("0.29.0",),
     ),

@@ -118,23 +118,40 @@ class StoreBatch:
 class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
     """``SimpleCPUOffloadScheduler`` of vLLM 0.29 with the fine-grained hybrid behaviour of vLLM 0.30."""
 
+    # Attributes this class adds live in slots: the stock scheduler already keeps 29
+    # attributes inline (CPython 3.11 holds at most 30 there, then falls back to a
+    # dictionary whose every read and method call takes the slow path).
+    __slots__ = (
+        "group_block_sizes",
+        "_positional",
+        "_positional_groups",
+        "_store_unit",
+        "_finish_batches",
+        "_staged_for_event",
+        "_event_blocks",
+        "boundary_store_stats",
+    )
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def adopt(cls, stock: SimpleCPUOffloadScheduler, adapter: Any) -> FineGrainedOffloadScheduler:
-        """Turn the scheduler the stock connector just built into this class, in place.
+        """An instance of this class holding everything the stock connector's scheduler holds.
 
         The stock connector constructs its scheduler by a module-level name with
         wheel-specific arguments (capacity, disk tier, lazy mode) and exposes no
-        factory; re-classing that object keeps all of that wheel logic, allocates the
-        CPU pool once, and patches nothing. This class only adds state and overrides
-        methods, so the instance layout is unchanged.
+        factory; taking over that object's attributes keeps all of that wheel logic,
+        allocates the CPU pool once, and patches nothing. The caller replaces its
+        reference (nothing else holds the stock object: its constructor hands ``self``
+        to no one). A fresh instance rather than ``__class__`` assignment, which on
+        CPython 3.11 moves the attributes out of inline storage (slow path for good).
         """
         if not isinstance(stock, SimpleCPUOffloadScheduler):
             raise TypeError(f"cannot adopt {type(stock).__name__}")
-        stock.__class__ = cls
-        assert isinstance(stock, FineGrainedOffloadScheduler)
-        stock._init_fine_grained(adapter)
-        return stock
+        fine = cls.__new__(cls)
+        for name, value in vars(stock).items():
+            setattr(fine, name, value)
+        fine._init_fine_grained(adapter)
+        return fine
 
     def _init_fine_grained(self, adapter: Any) -> None:
         coordinator = self.cpu_coordinator

@@ -74,7 +74,9 @@ def _wrap(original: Any) -> Any:
         try:
             return original(self, connector, scheduler_output)
         finally:
-            # Connector-only state: the workers get the stock output.
-            scheduler_output.__dict__.pop(ATTRIBUTE, None)
+            # Connector-only state: the workers get the stock output. ``delattr``, not
+            # ``__dict__``: touching that moves the output's fields off CPython's fast path.
+            if hasattr(scheduler_output, ATTRIBUTE):
+                delattr(scheduler_output, ATTRIBUTE)
 
     return _build_kv_connector_meta

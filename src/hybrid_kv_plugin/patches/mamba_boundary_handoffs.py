@@ -23,7 +23,7 @@ What it changes (``align`` groups only; other modes call the stock methods):
 * ``new_step_starts``: records older than one scheduling pass are dropped, so they
   cannot accumulate when no connector drains them.
 
-The records live on the manager (:func:`take_handoffs` drains them); the patch
+The records live beside each manager, in a weak table (:func:`take_handoffs` drains them); the patch
 ``boundary_handoff_publish`` puts them on the scheduler output. The stock
 behaviour of every method is unchanged.
 
@@ -35,6 +35,8 @@ Installed on 0.26.0-0.28.x only; first version where it is removed: 0.29.0.
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec, ReadsFingerprint
@@ -43,9 +45,9 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 OWNER = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
-# Plugin-owned instance attributes (created on first use; stock managers never read them).
-RECORDS = "_hybrid_kv_boundary_handoffs"
-PRODUCERS = "_hybrid_kv_producer_tails"
+# Per manager, beside it rather than as attributes: an attribute added after construction
+# can move all of a manager's attributes off CPython's fast path (see inert_patches.py).
+_HANDOFFS: weakref.WeakKeyDictionary[Any, _ManagerHandoffs] = weakref.WeakKeyDictionary()
 # Together with ``boundary_handoff_publish``: wherever the plugin adds the hand-off channel.
 INSTALLS = Installs(when=lambda adapter: adapter.boundary_handoff_patch_needed, since="0.26.0", removed_in="0.29.0")
 
@@ -103,18 +105,36 @@ def specs(adapter: VllmAdapter) -> list[PatchSpec]:
     ]
 
 
+@dataclass
+class _ManagerHandoffs:
+    """One Mamba manager's hand-offs not yet drained, and its requests that produce a boundary state."""
+
+    records: list[Handoff] = field(default_factory=list)
+    producers: dict[str, int] = field(default_factory=dict)  # request id -> boundary tokens
+
+
 def take_handoffs(manager: Any) -> list[Handoff]:
     """Drain the hand-offs one manager recorded since the last drain (or step start)."""
-    records = manager.__dict__.pop(RECORDS, None)
-    return records or []
+    state = _HANDOFFS.get(manager)
+    if state is None or not state.records:
+        return []
+    records, state.records = state.records, []
+    return records
+
+
+def _state(manager: Any) -> _ManagerHandoffs:
+    state = _HANDOFFS.get(manager)
+    if state is None:
+        state = _HANDOFFS[manager] = _ManagerHandoffs()
+    return state
 
 
 def _records(manager: Any) -> list[Handoff]:
-    return manager.__dict__.setdefault(RECORDS, [])
+    return _state(manager).records
 
 
 def _producers(manager: Any) -> dict[str, int]:
-    return manager.__dict__.setdefault(PRODUCERS, {})
+    return _state(manager).producers
 
 
 def _wrap_cache_blocks(original: Any) -> Any:
@@ -169,11 +189,11 @@ def _wrap_allocate_new_blocks(original: Any) -> Any:
 def _wrap_pop_blocks_for_free(original: Any) -> Any:
     @functools.wraps(original)
     def pop_blocks_for_free(self: Any, request_id: str) -> Any:
-        if self.mamba_cache_mode == "align":
-            self.__dict__.get(PRODUCERS, {}).pop(request_id, None)
-            records = self.__dict__.get(RECORDS)
-            if records:
-                records[:] = [entry for entry in records if entry[0] != request_id]
+        state = _HANDOFFS.get(self) if self.mamba_cache_mode == "align" else None
+        if state is not None:
+            state.producers.pop(request_id, None)
+            if state.records:
+                state.records = [entry for entry in state.records if entry[0] != request_id]
         return original(self, request_id)
 
     return pop_blocks_for_free
@@ -182,7 +202,9 @@ def _wrap_pop_blocks_for_free(original: Any) -> Any:
 def _wrap_new_step_starts(original: Any) -> Any:
     @functools.wraps(original)
     def new_step_starts(self: Any) -> Any:
-        self.__dict__.pop(RECORDS, None)
+        state = _HANDOFFS.get(self)
+        if state is not None:
+            state.records = []
         return original(self)
 
     return new_step_starts

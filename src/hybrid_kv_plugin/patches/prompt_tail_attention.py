@@ -59,10 +59,10 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> None:
         result = original(self, request, num_tokens)
-        policy = self.__dict__.get(MANAGER_POLICY_ATTR)
+        policy = getattr(self, MANAGER_POLICY_ATTR, None)
         if policy is not None and policy.active:
             add_partial_keys(self, request, num_tokens, policy)
-        checkpoint = self.__dict__.get(OUTPUT_CHECKPOINT_ATTR)
+        checkpoint = getattr(self, OUTPUT_CHECKPOINT_ATTR, None)
         # Only a step that computes up to num_tokens (the Mamba side keeps a state there).
         if (
             checkpoint is not None

@@ -56,7 +56,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
 
     @functools.wraps(original)
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        policy = self.__dict__.get(MANAGER_POLICY_ATTR)
+        policy = getattr(self, MANAGER_POLICY_ATTR, None)
         if policy is None or not policy.active:
             if args or kwargs:
                 return original(self, request, num_tokens, *args, **kwargs)

@@ -65,10 +65,10 @@ def _wrap(original: Any) -> Any:
     def cache_blocks(
         self: Any, request: Any, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries: Any
     ) -> None:
-        policy = self.__dict__.get(MANAGER_POLICY_ATTR)
+        policy = getattr(self, MANAGER_POLICY_ATTR, None)
         if policy is not None and retention_interval is not None:
             replay_boundaries = retained_boundaries(policy, request.num_prompt_tokens, replay_boundaries)
-        checkpoint = self.__dict__.get(OUTPUT_CHECKPOINT_ATTR)
+        checkpoint = getattr(self, OUTPUT_CHECKPOINT_ATTR, None)
         block_end = None
         if checkpoint is not None:
             block_end = retained_block_end(self, request, num_tokens, checkpoint, retention_interval)

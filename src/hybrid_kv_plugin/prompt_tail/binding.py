@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 SCHEDULER_POLICY_ATTR = "hybrid_kv_prompt_tail"
+# Read on managers with getattr, never through ``manager.__dict__``: see
+# :func:`hybrid_kv_plugin.patching.bypass_inert_patches` for what touching ``__dict__`` costs.
 MANAGER_POLICY_ATTR = "hybrid_kv_prompt_tail"
 
 
@@ -35,7 +37,7 @@ def policy_of(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
 
 def prompt_tail_bound(manager: Any) -> bool:
     """Whether ``manager`` was bound to a policy that keeps a position (not ``native``)."""
-    policy = manager.__dict__.get(MANAGER_POLICY_ATTR)
+    policy = getattr(manager, MANAGER_POLICY_ATTR, None)
     return policy is not None and policy.active
 
 
@@ -61,6 +63,10 @@ def _bind(scheduler: Any, adapter: VllmAdapter) -> PromptTailPolicy:
         native_eagle_shift=adapter.native_prompt_tail_eagle_shift,
     )
     setattr(scheduler, SCHEDULER_POLICY_ATTR, policy)
+    if not policy.active:
+        # Managers stay unbound: their patches then call the wheel's method, and vLLM's
+        # busiest objects get no attribute they did not have (see bypass_inert_patches).
+        return policy
     for manager in coordinator.single_type_managers:
         if getattr(manager, "mamba_cache_mode", None) == "align" or keyable_inside_blocks(manager):
             setattr(manager, MANAGER_POLICY_ATTR, policy)
