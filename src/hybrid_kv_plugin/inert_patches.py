@@ -10,8 +10,9 @@ Options never change after start-up, so neither does that.
 Only the scheduler: it already holds more attributes than CPython keeps inline, so one
 more costs nothing. A KV-cache manager keeps its attributes inline, and a class shares
 fewer free inline slots with each instance it creates; an attribute added later can move
-all of that manager's attributes to the slow path (measured: 9 % more instructions per
-scheduler step on 0.29). Their patches check the manager's binding on each call instead.
+all of that manager's attributes to the slow path (with the plugin's other such cases,
+machine instructions per scheduler step on 0.29, plugin / stock: 1.137 before, 1.092
+after). Their patches check the manager's binding on each call instead.
 """
 
 from __future__ import annotations

@@ -118,9 +118,9 @@ class StoreBatch:
 class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
     """``SimpleCPUOffloadScheduler`` of vLLM 0.29 with the fine-grained hybrid behaviour of vLLM 0.30."""
 
-    # Attributes this class adds live in slots: the stock scheduler already keeps 29
-    # attributes inline (CPython 3.11 holds at most 30 there, then falls back to a
-    # dictionary whose every read and method call takes the slow path).
+    # Attributes this class adds live in slots: the stock scheduler's own attributes nearly
+    # fill CPython 3.11's 30 inline ones (29 on 0.29), and past them it falls back to a
+    # dictionary whose every read and method call takes the slow path.
     __slots__ = (
         "group_block_sizes",
         "_positional",
