@@ -98,7 +98,18 @@ MUTANTS: tuple[Mutant, ...] = (
         FINE,
         "        self._in_flight_store_gpu_blocks.add(block_id)\n",
         "",
-        # A store completing late meets the block again: the "stored twice" invariant.
+        # ``_stage`` (hand-offs, finish stores): a hand-off of a block already staged this step is
+        # counted "already cached" instead of "in flight".
+        ("tests/test_cpu_offload_plumbing.py::test_every_outcome_counted_and_exported",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "scanned-block-not-marked-in-flight",
+        FINE,
+        "                in_flight.add(block_id)\n",
+        "",
+        # The store scan's inline staging: a store completing late meets the block again, the
+        # "stored twice" invariant.
         (
             "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin-fa32]",
             "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",
@@ -111,8 +122,13 @@ MUTANTS: tuple[Mutant, ...] = (
         FINE,
         "        if pinned:\n            self.cpu_block_pool.free_blocks(pinned)\n",
         "        pass\n",
-        (f"{CHECKERS}::test_clean_cpu_tier_hit_checks_every_load_and_copy",),
+        # A CPU hit found but not loaded (its request was not admitted, or asked again).
+        (
+            "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin-fa32]",
+            "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",
+        ),
         ("0.29.0",),
+        NO_SHRINK,
     ),
     Mutant(
         "attention-partial-tail-store-dropped",

@@ -39,13 +39,24 @@ def test_bench_times_only_scheduler_calls_and_interleaves(adapter):
     assert (plugin["step_floor_us"], out["floor_ratio_plugin_vs_stock"]) == (2e6, 1.0)
 
 
-def test_bench_command_reports_both_cases_structure(capsys):
+def _bench_children() -> list[int]:
+    """Processes this one started that are still there (the bench's configuration processes)."""
+    import psutil  # a vLLM dependency
+
+    return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in-process"])
+def test_bench_command_reports_both_cases_structure(capsys, in_process):
     from hybrid_kv_plugin.cli.main import main
 
-    assert main(["bench", "--requests", "0", "--repeats", "1", "--json"]) == 0
+    before = _bench_children()
+    args = ["bench", "--requests", "0", "--repeats", "1", "--json"] + (["--in-process"] if in_process else [])
+    assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["repeats"] == 1
     assert report["timed"] == "process CPU time of scheduler.schedule() + scheduler.update_from_output()"
+    assert report["processes"] == ("this one" if in_process else "one per configuration")
     (case,) = report["cases"]
     assert (case["name"], case["requests"]) == ("default", 31)
     assert set(case["configs"]) == {"stock", "plugin"}
@@ -53,6 +64,8 @@ def test_bench_command_reports_both_cases_structure(capsys):
     assert set(stock) == {"requests", "steps", "ideal_tokens", "reused_tokens", "efficiency", "step_cpu_us", "step_floor_us"}
     assert stock["ideal_tokens"] == 7824
     assert set(stock["step_cpu_us"]) == {"min", "median", "max"}
+    # The configuration processes are gone afterwards.
+    assert _bench_children() == before
 
 
 def _tail_case(prompt: int) -> BenchCase:
@@ -104,6 +117,61 @@ def test_bench_command_refuses_unknown_configs(capsys):
     )
     assert console_main(["bench", "--requests", "0", "--repeats", "1", "--configs", "stock,stock"]) == 2
     assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,stock': each configuration at most once\n"
+
+
+def test_bench_counts_bytecodes_per_step_deterministically(adapter):
+    """``bytecodes=True``: one more, untimed run per configuration; the count is the same every run."""
+    from hybrid_kv_plugin.sim.bench import count_bytecodes
+
+    ticks = itertools.count()
+    case = BenchCase("small", tuple(small_workload()))
+    out = run_case(case, ReplaySettings(), repeats=1, clock=lambda: float(next(ticks)), bytecodes=True)
+    stock = out["configs"]["stock"]
+    counted = count_bytecodes(case, ReplaySettings(), CONFIGS["stock"])
+    assert counted is not None and counted == count_bytecodes(case, ReplaySettings(), CONFIGS["stock"])
+    total, steps = counted
+    assert steps == stock["steps"] == STEPS[adapter.version][0]
+    assert stock["bytecodes_per_step"] == round(total / steps, 1)
+    # The counter counts only inside the two scheduler calls: thousands per step, not the whole run.
+    assert 1_000 < stock["bytecodes_per_step"] < 50_000
+    # The timed repeats are untouched: still exactly two ticks per step.
+    assert stock["step_floor_us"] == 2e6
+    if not adapter.supports(Feature.FINE_GRAINED_CPU_HITS):
+        assert set(out["configs"]["plugin"]) == {"refused"} and "bytecode_ratio_plugin_vs_stock" not in out
+        return
+    plugin = out["configs"]["plugin"]
+    assert out["bytecode_ratio_plugin_vs_stock"] == round(plugin["bytecodes_per_step"] / stock["bytecodes_per_step"], 4)
+
+
+# Plugin / stock bytecode instructions per scheduler step on the default workload (plugin's default
+# options), measured when this test was written plus about one point of headroom: a change that adds
+# per-step work beyond it fails here, deterministically, where CPU timings on a shared machine cannot.
+# Measured: 0.26.0 1.0756, 0.27.1 1.0609, 0.28.0 1.0868, 0.29.0 1.0542 (the backport; 1.088 before
+# this release's store-path changes), 0.30.0 1.0309, 0.31.0 1.0167, 0.32.0 1.0169, 0.33.0 1.0187.
+STEP_WORK_BUDGET = {
+    "0.26.0": 1.09,
+    "0.27.1": 1.07,
+    "0.28.0": 1.10,
+    "0.29.0": 1.065,
+    "0.30.0": 1.04,
+    "0.31.0": 1.03,
+    "0.32.0": 1.03,
+    "0.33.0": 1.03,
+}
+
+
+def test_plugin_step_work_stays_within_its_budget(adapter):
+    """The default workload: the plugin's scheduler step executes at most STEP_WORK_BUDGET x stock's bytecodes."""
+    from hybrid_kv_plugin.sim.bench import count_bytecodes
+    from hybrid_kv_plugin.sim.workload import default_workload
+
+    case = BenchCase("default", tuple(default_workload(0)))
+    stock, plugin = (count_bytecodes(case, ReplaySettings(), CONFIGS[name]) for name in ("stock", "plugin"))
+    assert stock is not None and plugin is not None
+    if adapter.version == "0.29.0":
+        assert (stock[1], plugin[1]) == (105, 107)  # the steps the bench reports
+    ratio = (plugin[0] / plugin[1]) / (stock[0] / stock[1])
+    assert 1.0 < ratio <= STEP_WORK_BUDGET[adapter.version], f"plugin / stock bytecodes per step {ratio:.4f}"
 
 
 def test_the_floor_is_each_steps_minimum_over_the_repeats():

@@ -63,6 +63,28 @@ def test_unknown_option_names_the_allowed_keys(plugin, adapter):
         offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hits": "yes"})
 
 
+def test_backport_refuses_a_block_without_the_hash_slots_it_reads(plugin, adapter, feature, monkeypatch):
+    """The backport's per-block loops read KVCacheBlock's hash slots; a wheel without them stops start-up."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    if feature is not Support.BACKPORT:
+        run = offload_engine(adapter)  # native: the wheel's own scheduler side, which needs no slot
+        assert type(run.engine.connector.scheduler_manager).__name__ == "SimpleCPUOffloadScheduler"
+        return
+    slots = tuple(name for name in KVCacheBlock.__slots__ if name != "_block_hash_num_tokens")
+    monkeypatch.setattr(KVCacheBlock, "__slots__", slots)  # a changed wheel, as the check sees it
+    with pytest.raises(PluginConfigError) as refused:
+        offload_engine(adapter)
+    assert str(refused.value) == (
+        "hybrid-kv-plugin: the fine-grained SimpleCPU backport reads KVCacheBlock slot(s) _block_hash_num_tokens, "
+        f"which vLLM {adapter.version} does not have; set "
+        '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
+    )
+    monkeypatch.undo()
+    run = offload_engine(adapter)
+    assert type(run.engine.connector.scheduler_manager).__name__ == "FineGrainedOffloadScheduler"
+
+
 # ---------------------------------------------------------------------- outcome counters
 class _Inject:
     """Adds hand-off entries to the first step whose real hand-offs name request ``req_id``."""

@@ -20,6 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)} (as in replay); the first is the baseline "
         "of the ratios (default: stock,plugin)",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time every configuration in this one interpreter (default: one process per configuration, "
+        "as a server runs one engine)",
+    )
+    parser.add_argument(
+        "--bytecodes",
+        action="store_true",
+        help="also count the Python bytecode instructions per step (one more, untimed run per "
+        "configuration; deterministic, unlike CPU time on a shared machine)",
+    )
     add_geometry_arguments(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -40,7 +52,7 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
     if args.requests:
         large = tuple(with_eagle(workload_of_size(args.requests, args.seed), args.eagle))
         cases.append(BenchCase(f"{sum(len(s.requests) for s in large)} requests", large))
-    total = sum(c.requests for c in cases) * args.repeats * len(configs)
+    total = sum(c.requests for c in cases) * (args.repeats + (1 if args.bytecodes else 0)) * len(configs)
     progress = Progress(total)
 
     def advance(label: str, requests: int) -> None:
@@ -48,7 +60,15 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         progress.finish_run(requests)
         progress.update(0)
 
-    report = run_bench(cases, settings, repeats=args.repeats, progress=advance, configs=configs)
+    report = run_bench(
+        cases,
+        settings,
+        repeats=args.repeats,
+        progress=advance,
+        configs=configs,
+        bytecodes=args.bytecodes,
+        processes=not args.in_process,
+    )
     progress.close()
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
@@ -59,11 +79,18 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
 
 def render_bench(report: dict, out: TextIO) -> None:
     w = out.write
-    w(f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per configuration\n")
+    w(
+        f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per "
+        f"configuration, processes: {report['processes']}\n"
+    )
     for case in report["cases"]:
         w(f"\n{case['name']} ({case['requests']} requests)\n")
         width = max(10, *(len(name) for name in case["configs"]))
-        w(f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8} {'floor':>8}\n")
+        counted = any("bytecodes_per_step" in entry for entry in case["configs"].values())
+        w(
+            f"  {'config':<{width}} {'steps':>7} {'efficiency':>10} {'CPU us/step min':>16} {'median':>8} {'max':>8} "
+            f"{'floor':>8}" + (f" {'bytecodes/step':>14}" if counted else "") + "\n"
+        )
         for name, entry in case["configs"].items():
             if "refused" in entry:
                 w(f"  {name:<{width}} refused: {entry['refused']}\n")
@@ -72,7 +99,9 @@ def render_bench(report: dict, out: TextIO) -> None:
             w(
                 f"  {name:<{width}} {entry['steps']:>7} {entry['efficiency']:>10.3f} "
                 f"{t.get('min', 0):>16.1f} {t.get('median', 0):>8.1f} {t.get('max', 0):>8.1f} "
-                f"{entry.get('step_floor_us', 0):>8.1f}\n"
+                f"{entry.get('step_floor_us', 0):>8.1f}"
+                + (f" {entry['bytecodes_per_step']:>14.1f}" if "bytecodes_per_step" in entry else "")
+                + "\n"
             )
         for key, ratio in case.items():
             if key.startswith("ratio_"):
@@ -82,3 +111,5 @@ def render_bench(report: dict, out: TextIO) -> None:
                     f"{ratio['median']:.4f} (min {ratio['min']:.4f}, max {ratio['max']:.4f}; "
                     f"{', '.join(f'{r:.3f}' for r in ratio['per_repeat'])})\n"
                 )
+                if "bytecode_" + key in case:
+                    w(f"  ratio {label}: bytecodes per step {case['bytecode_' + key]:.4f} (deterministic)\n")

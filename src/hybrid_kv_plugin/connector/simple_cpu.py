@@ -42,11 +42,14 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         self._outcomes_reported = dict(BoundaryStoreStats().__dict__)  # the counters last reported
         self._outcomes_source: BoundaryStoreStats | None = None  # the live counters last compared
         self._native_metrics = adapter.has_native_simplecpu_metrics
+        # The backport's scheduler side (scheduler role on 0.29), which counts its own growth.
+        self._backport_scheduler: Any = None
         super().__init__(vllm_config, role, kv_cache_config)
         if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:
             from hybrid_kv_plugin.offload.fine_grained_scheduler import FineGrainedOffloadScheduler
 
             self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
+            self._backport_scheduler = self.scheduler_manager
 
     # ------------------------------------------------------------------ worker side
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -85,11 +88,14 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return BoundaryStoreStats()
 
     def _outcome_growth(self) -> dict[str, int]:
-        """Per outcome label, how much its counter grew since the last report (only those that grew)."""
+        """Per outcome label, how much the wheel's native counters (0.30) grew since the last report.
+
+        Only those that grew; the backport hands over its own growth instead (see
+        :meth:`get_kv_connector_stats`).
+        """
         if self.offload_mode is OffloadMode.STOCK:
             return {}  # nothing consumes the hand-offs: every counter stays 0
-        # Read every step: compare the live counters (the backport's, or 0.30's native ones)
-        # first, and snapshot only when they moved.
+        # Read every step: compare the live counters first, and snapshot only when they moved.
         live = getattr(getattr(self, "scheduler_manager", None), "boundary_store_stats", None)
         if live is None:
             now = self.get_boundary_store_stats().__dict__
@@ -99,9 +105,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             if live is self._outcomes_source and live.published == self._outcomes_reported["published"]:
                 return {}
             self._outcomes_source = live
-            now = live.__dict__ if self.offload_mode is OffloadMode.BACKPORT else BoundaryStoreStats.from_native(live).__dict__
-        # Plain dicts keyed by the outcome labels (the counter fields): this runs on every
-        # step that offered a hand-off, where dataclass snapshots cost a measurable share.
+            now = BoundaryStoreStats.from_native(live).__dict__
         reported = self._outcomes_reported
         if now == reported:
             return {}
@@ -111,6 +115,14 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
     def get_kv_connector_stats(self) -> Any:
         if self._native_metrics:
             return super().get_kv_connector_stats()
+        backport = self._backport_scheduler
+        if backport is not None:
+            # Called every step: take the growth the backport counted, no diffing.
+            growth = backport.unreported_outcomes
+            if not growth:
+                return None
+            backport.unreported_outcomes = {}
+            return OffloadOutcomeStats(data=growth)
         growth = self._outcome_growth()
         return OffloadOutcomeStats(data=growth) if growth else None
 

@@ -23,9 +23,17 @@ reconciles most CPU hits to zero.
   land on; the full-attention partial tail is stored once when the request
   finishes, together with the confirmed blocks it had left;
 * completion: the CPU copy becomes findable under the keys its GPU source carried
-  when the store was *staged* (registered with ``BlockPool._insert_block_hash``
-  only now, never stamped beforehand: that method silently skips a block that
-  already carries the key, which would leave the copy unfindable).
+  when the store was *staged* (registered only now, never stamped beforehand:
+  ``BlockPool._insert_block_hash`` silently skips a block that already carries the
+  key, which would leave the copy unfindable);
+* counters: every hand-off's outcome is counted, cumulatively
+  (``boundary_store_stats``) and as growth not yet reported to the metrics
+  (``unreported_outcomes``, which the connector takes each step).
+
+The per-block loops read ``KVCacheBlock``'s hash slots (``_block_hash``,
+``_block_hash_num_tokens``) directly: on 0.29 the public names are properties, a
+Python call per read, and these loops run for every scheduled request each step
+(:meth:`FineGrainedOffloadScheduler.adopt` checks the slots exist).
 
 The connector adopts the object the stock connector constructs (see
 :meth:`FineGrainedOffloadScheduler.adopt`), so the wheel's own option parsing
@@ -34,14 +42,16 @@ and CPU pool sizing stay in charge and nothing in vLLM is patched.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
     get_block_hash,
     get_group_id,
     maybe_convert_block_hash,
@@ -55,11 +65,9 @@ from vllm.v1.simple_kv_offload.manager import (
 )
 
 from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
 from hybrid_kv_plugin.output_checkpoint.offload import attention_tail_boundary, partial_tail_block
-
-if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 _log = logging.getLogger("vllm.hybrid_kv_plugin")
 
@@ -84,6 +92,13 @@ class StagedBlock(NamedTuple):
     keys: tuple[CacheKey, ...]
     # Token ids the block covers, kept only for KV events of positional blocks.
     token_ids: tuple[int, ...] = ()
+
+
+# ``StagedBlock((gpu_block_id, keys, token_ids))`` without the Python-level ``__new__``
+# of a NamedTuple (one frame per staged block).
+_new_staged_block = functools.partial(tuple.__new__, StagedBlock)
+# The KVCacheBlock slots the per-block loops read (see the module docstring).
+HASH_SLOTS = ("_block_hash", "_block_hash_num_tokens")
 
 
 class StoreBatch:
@@ -130,6 +145,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         "_staged_for_event",
         "_event_blocks",
         "boundary_store_stats",
+        "unreported_outcomes",
     )
 
     # ------------------------------------------------------------------ construction
@@ -147,6 +163,13 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """
         if not isinstance(stock, SimpleCPUOffloadScheduler):
             raise TypeError(f"cannot adopt {type(stock).__name__}")
+        missing = [name for name in HASH_SLOTS if name not in getattr(KVCacheBlock, "__slots__", ())]
+        if missing:
+            raise PluginConfigError(
+                f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads KVCacheBlock slot(s) "
+                f"{', '.join(missing)}, which vLLM {adapter.version} does not have; set "
+                '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
+            )
         fine = cls.__new__(cls)
         for name, value in vars(stock).items():
             setattr(fine, name, value)
@@ -174,6 +197,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self._staged_for_event: list[StagedBlock] = []
         self._event_blocks: dict[int, list[StagedBlock]] = {}
         self.boundary_store_stats = BoundaryStoreStats()
+        # {outcome label: n} counted since the connector last reported (it swaps in a new dict).
+        self.unreported_outcomes: dict[str, int] = {}
 
     def _lazy_watermark(self) -> int:
         """GPU blocks the lazy cursor keeps offloaded ahead of eviction, from the resolved group sizes."""
@@ -243,17 +268,25 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         )
         gpu_ids: list[int] = []
         sources: list[KVCacheBlock] = []
+        # The lookup pinned every hit block. A source keeps its pin as the hold for its
+        # load; the others are released (the counts of touching the sources, then
+        # releasing every pinned block, without the two passes). 0.29's scheduler grants
+        # a hit whole or not at all, so nothing is released here unless a grant is partial.
+        released: list[KVCacheBlock] = []
         for g, size in enumerate(self.group_block_sizes):
             # A fine-grained hit may end inside this group's last block: round up.
             wanted = cdiv(num_external_tokens, size)
             first_slot = pending.local_tokens // size
-            for offset, cpu_block in enumerate(pending.blocks[g][:wanted]):
+            group_blocks = pending.blocks[g]
+            for offset, cpu_block in enumerate(group_blocks[:wanted]):
                 if cpu_block.is_null:  # a Mamba state that is not needed, or padding
                     continue
                 gpu_ids.append(table[g][first_slot + offset])
                 sources.append(cpu_block)
-        self.cpu_block_pool.touch(sources)
-        self._free_pending_cpu_hit(pending)
+            if len(group_blocks) > wanted:
+                released.extend(b for b in group_blocks[wanted:] if not b.is_null)
+        if released:
+            self.cpu_block_pool.free_blocks(released)
         assert self._gpu_block_pool is not None
         self._gpu_block_pool.touch([self._gpu_block_pool.blocks[i] for i in gpu_ids])
         assert req_id not in self._reqs_to_load
@@ -271,12 +304,12 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """The outcome a store candidate gets; STORED means it may be copied."""
         if block.is_null:
             return StoreOutcome.DROPPED_NULL_BLOCK
-        if block.block_hash is None:
+        key = block._block_hash
+        if key is None:
             return StoreOutcome.DROPPED_NOT_HASHED
         if block.block_id in self._in_flight_store_gpu_blocks:
             return StoreOutcome.SKIPPED_IN_FLIGHT
-        cached = self.cpu_block_pool.cached_block_hash_to_block.get_one_block(block.block_hash)
-        if cached is not None or block.block_hash in batch.keys:
+        if key in batch.keys or self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key) is not None:
             return StoreOutcome.SKIPPED_ALREADY_CACHED
         return StoreOutcome.STORED
 
@@ -284,7 +317,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """Every prefix-cache key the GPU block answers to right now (primary first)."""
         assert self._gpu_block_pool is not None
         secondary = self._gpu_block_pool.cached_block_hashes_by_block.get(block.block_id, ())
-        return ((block.block_hash, block.block_hash_num_tokens), *((key, None) for key in secondary))
+        return ((block._block_hash, block._block_hash_num_tokens), *((key, None) for key in secondary))
 
     def _stage(self, batch: StoreBatch, block: KVCacheBlock, tokens: Sequence[int] = ()) -> None:
         block_id = block.block_id
@@ -292,8 +325,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         if block_id in self._gpu_block_pool.cached_block_hashes_by_block:
             keys = self._keys_of(block)
         else:  # the usual case, without secondary keys (spares a call per staged block)
-            keys = ((block.block_hash, block.block_hash_num_tokens),)
-        batch.blocks.append(StagedBlock(block_id, keys, tuple(tokens)))
+            keys = ((block._block_hash, block._block_hash_num_tokens),)
+        batch.blocks.append(_new_staged_block((block_id, keys, tuple(tokens))))
         batch.gpu_block_ids.append(block_id)
         batch.keys.add(keys[0][0])
         # Claim it now, so a second request sharing this block does not stage it again.
@@ -305,7 +338,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """Stage confirmed blocks of the positionally stable groups, advancing ``cursors`` (one per group).
 
         Runs for every running request each step, so the admission test of
-        :meth:`_admission` is inlined (only "may be stored" matters here).
+        :meth:`_admission` (only "may be stored" matters here) and :meth:`_stage`
+        are inlined.
         """
         unit = self._store_unit
         reachable = (request.num_computed_tokens - request.num_output_placeholders) // unit * unit
@@ -319,16 +353,18 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             pool = self._gpu_block_pool
             assert pool is not None
             gpu_blocks = pool.blocks
+            secondary_keys = pool.cached_block_hashes_by_block
             in_flight = self._in_flight_store_gpu_blocks
             cpu_cached = self.cpu_block_pool.cached_block_hash_to_block
             staged_keys = batch.keys
             staged = batch.blocks
+            staged_ids = batch.gpu_block_ids
             events = self.enable_kv_cache_events
             for index in range(start, stop):
                 block = gpu_blocks[ids[index]]
                 if block.is_null:
                     continue
-                key = block.block_hash
+                key = block._block_hash
                 block_id = block.block_id
                 if (
                     key is None
@@ -340,8 +376,16 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 if len(staged) >= batch.room:
                     cursors[g] = index
                     return  # out of CPU space: retry from here next step
-                tokens = request.all_token_ids[index * size : (index + 1) * size] if events else ()
-                self._stage(batch, block, tokens)
+                if block_id in secondary_keys:
+                    keys = self._keys_of(block)
+                else:
+                    keys = ((key, block._block_hash_num_tokens),)
+                tokens = tuple(request.all_token_ids[index * size : (index + 1) * size]) if events else ()
+                staged.append(_new_staged_block((block_id, keys, tokens)))
+                staged_ids.append(block_id)
+                staged_keys.add(key)
+                # Claimed now, so a second request sharing this block does not stage it again.
+                in_flight.add(block_id)
             cursors[g] = stop
 
     def _take_boundary_handoffs(self, scheduler_output: Any, batch: StoreBatch) -> None:
@@ -351,32 +395,47 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         handoffs = block_state.boundary_state_offloads if block_state is not None else {}
         if not handoffs:
             return
-        leaving = set(scheduler_output.preempted_req_ids or ()) | set(scheduler_output.finished_req_ids)
-        stats = self.boundary_store_stats
+        finished = scheduler_output.finished_req_ids
+        preempted = scheduler_output.preempted_req_ids or ()
+        gpu_blocks = self._gpu_block_pool.blocks
+        counted: dict[str, int] = {}
         for req_id, entries in handoffs.items():
             state = self._reqs_to_store.get(req_id)
             # Hand-offs are not filtered by liveness: a request that is leaving gives its
             # blocks back, and another request may already write them.
-            if state is None or state.finished or req_id in leaving:
-                stats.count(StoreOutcome.DROPPED_REQUEST_GONE, len(entries))
+            if state is None or state.finished or req_id in finished or req_id in preempted:
+                label = StoreOutcome.DROPPED_REQUEST_GONE._value_
+                counted[label] = counted.get(label, 0) + len(entries)
                 continue
             took_any = False
             for _group, gpu_block_id, _boundary_tokens in entries:
-                block = self._gpu_block_pool.blocks[gpu_block_id]
+                block = gpu_blocks[gpu_block_id]
                 outcome = self._admission(block, batch)
-                if outcome is StoreOutcome.STORED and batch.full:
-                    outcome = StoreOutcome.DROPPED_CPU_FULL
-                    log_once(
-                        logging.WARNING,
-                        "hybrid-kv-plugin: SimpleCPU dropped a Mamba boundary hand-off: the CPU pool is full "
-                        "(that boundary is not retried)",
-                    )
                 if outcome is StoreOutcome.STORED:
-                    self._stage(batch, block)
-                    took_any = True
-                stats.count(outcome)
+                    if batch.full:
+                        outcome = StoreOutcome.DROPPED_CPU_FULL
+                        log_once(
+                            logging.WARNING,
+                            "hybrid-kv-plugin: SimpleCPU dropped a Mamba boundary hand-off: the CPU pool is full "
+                            "(that boundary is not retried)",
+                        )
+                    else:
+                        self._stage(batch, block)
+                        took_any = True
+                # ``_value_``: the enum's ``value`` property costs a descriptor call per read.
+                label = outcome._value_
+                counted[label] = counted.get(label, 0) + 1
             if took_any:
                 batch.req_ids.append(req_id)
+        if counted:
+            self._record_outcomes(counted)
+
+    def _record_outcomes(self, counted: dict[str, int]) -> None:
+        """Add one step's ``{outcome label: n}`` to the cumulative counters and to the unreported growth."""
+        self.boundary_store_stats.add(counted)
+        unreported = self.unreported_outcomes
+        for label, n in counted.items():
+            unreported[label] = unreported.get(label, 0) + n
 
     def _collect_eager(self, scheduler_output: Any) -> StoreBatch:
         batch = StoreBatch(room=self.cpu_block_pool.get_num_free_blocks())
@@ -507,10 +566,18 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         cpu_pool = self.cpu_block_pool
         cpu_blocks = [cpu_pool.blocks[i] for i in transfer.cpu_block_ids]
         insert = cpu_pool._insert_block_hash
+        cache_map = cpu_pool.cached_block_hash_to_block
         events = self.enable_kv_cache_events
         for cpu_block, record in zip(cpu_blocks, staged):
-            for key, num_tokens in record.keys:
-                insert(key, cpu_block, num_tokens=num_tokens)
+            keys = record[1]
+            if len(keys) == 1 and cpu_block._block_hash is None:
+                # The usual record, one key, on a block fresh from the free list (no key, in
+                # no map entry): what ``_insert_block_hash`` does there, without its checks.
+                cpu_block._block_hash, cpu_block._block_hash_num_tokens = keys[0]
+                cache_map.insert(keys[0][0], cpu_block)
+            else:
+                for key, num_tokens in keys:
+                    insert(key, cpu_block, num_tokens=num_tokens)
             if events:
                 cpu_pool.kv_event_queue.extend(self._stored_events(record))
         cpu_pool.free_blocks(cpu_blocks)  # cached, evictable
@@ -542,6 +609,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             self._release_transfer_refs(TransferMeta(batch.gpu_block_ids, batch.cpu_block_ids))
         self._finish_batches.clear()
         done = super().reset()
+        # Cumulative counters start over; growth not yet reported still reaches the metrics.
         self.boundary_store_stats = BoundaryStoreStats()
         return done
 

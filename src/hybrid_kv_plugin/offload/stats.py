@@ -43,11 +43,11 @@ class BoundaryStoreStats:
     skipped_already_cached: int = 0
     skipped_in_flight: int = 0
 
-    def count(self, outcome: StoreOutcome, n: int = 1) -> None:
-        self.published += n
-        # ``_value_``: the enum's ``value`` property costs a descriptor call per read.
-        field_name = outcome._value_
-        setattr(self, field_name, getattr(self, field_name) + n)
+    def add(self, counts: dict[str, int]) -> None:
+        """Add ``{outcome label: n}`` (labels as in :data:`OUTCOME_LABELS`; ``published`` grows by each n)."""
+        for label, n in counts.items():
+            self.published += n
+            setattr(self, label, getattr(self, label) + n)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -71,9 +71,11 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
 
     @functools.wraps(original)
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        # The usual call passes nothing more: a plain call, without argument packing.
-        key = original(self, request, num_tokens, *args, **kwargs) if args or kwargs else original(self, request, num_tokens)
         checkpoint = getattr(self, MANAGER_ATTR, None)
+        if args or kwargs:
+            key = original(self, request, num_tokens, *args, **kwargs)
+        else:  # the usual call passes nothing more: a plain call, without argument packing
+            key = original(self, request, num_tokens)
         if checkpoint is None or num_tokens <= request.num_prompt_tokens:
             return key
         note_copies(self, request)

@@ -301,7 +301,8 @@ def replay(
     timer: StepTimer | None = None,
     check_invariants: bool = False,
 ) -> ReplayResult:
-    """Run every segment under ``config``; the plugin is registered (or not) for this run only.
+    """Run every segment under ``config``; the plugin is registered (or not) for this run only
+    (a plugin run where the caller already registered it keeps that registration).
 
     ``check_invariants``: watch the CPU tier with :class:`~hybrid_kv_plugin.sim.invariants.OffloadInvariants`
     and raise ``AssertionError`` at the end of a segment that violated one.
@@ -313,10 +314,15 @@ def replay(
     from hybrid_kv_plugin.registration import STATE, Status
 
     was_active = STATE.status is Status.ACTIVE
-    hybrid_kv_plugin.uninstall()
+    # A plugin run in a process that keeps the plugin registered (as a server does; the
+    # bench's per-configuration processes) leaves it in place: re-installing the patches
+    # around every run is not what a server pays.
+    keep = was_active and config.plugin
+    if not keep:
+        hybrid_kv_plugin.uninstall()
     result = ReplayResult(config.name)
     try:
-        if config.plugin:
+        if config.plugin and not keep:
             hybrid_kv_plugin.register()
             if STATE.status is not Status.ACTIVE:
                 result.refused = f"the plugin is {STATE.status} on this vLLM: {STATE.reason}"
@@ -331,9 +337,10 @@ def replay(
             done = run.run(progress, done)
             result.segments.append(run.result(per_request))
     finally:
-        hybrid_kv_plugin.uninstall()
-        if was_active:
-            hybrid_kv_plugin.register()
+        if not keep:
+            hybrid_kv_plugin.uninstall()
+            if was_active:
+                hybrid_kv_plugin.register()
     return result
 
 
