@@ -569,7 +569,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         cache_map = cpu_pool.cached_block_hash_to_block
         events = self.enable_kv_cache_events
         for cpu_block, record in zip(cpu_blocks, staged):
-            keys = record[1]
+            keys = record.keys
             if len(keys) == 1 and cpu_block._block_hash is None:
                 # The usual record, one key, on a block fresh from the free list (no key, in
                 # no map entry): what ``_insert_block_hash`` does there, without its checks.
