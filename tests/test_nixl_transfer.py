@@ -1,13 +1,16 @@
 """A real NIXL transfer of the blocks the exchange clip and the worker pairing choose.
 
-Two NIXL agents in this process (UCX backend, CPU memory) stand for a prefill
-and a decode engine, each with one KV pool of ``NUM_BLOCKS`` pages indexed by
-block id (the layout of a hybrid model, whose groups share one pool). The
-decode agent READs exactly the (decode, prefill) block pairs that the wheel's
-NIXL schedulers and worker produce; afterwards each paired decode page must
-equal its prefill page byte for byte and every other decode page must be
-untouched - in particular D's zeroed speculative scratch slots, which stock
-0.26 would overwrite or read.
+Two NIXL agents (UCX backend, CPU memory) stand for a prefill and a decode engine,
+each with one KV pool of ``NUM_BLOCKS`` pages indexed by block id (the layout of a
+hybrid model, whose groups share one pool). The decode agent READs exactly the
+(decode, prefill) block pairs that the wheel's NIXL schedulers and worker produce;
+afterwards each paired decode page must equal its prefill page byte for byte and
+every other decode page must be untouched - in particular D's zeroed speculative
+scratch slots, which stock 0.26 would overwrite or read.
+
+The agents live in a child interpreter (``nixl_transfer_child.py``, which says why:
+a native crash at interpreter exit on some hosts); this process computes the pairs
+with vLLM's real schedulers and checks the bytes the child sends back.
 
 Needs the ``nixl`` extra (``nixl==1.5.1`` + ``nixl-cu12==1.5.1``, installed
 with ``--no-deps``; CI installs it).
@@ -15,8 +18,10 @@ with ``--no-deps``; CI installs it).
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +46,9 @@ TABLES = {
 }
 
 
+CHILD = Path(__file__).with_name("nixl_transfer_child.py")
+
+
 @pytest.fixture(scope="module")
 def nixl_api():
     """vLLM's own handles on the nixl library (None when the extra is not installed)."""
@@ -51,44 +59,27 @@ def nixl_api():
     return nixl_utils.NixlWrapper, nixl_utils.nixl_agent_config
 
 
-class _Engine:
-    """One side's KV pool registered with its own NIXL agent, one descriptor per block id."""
-
-    def __init__(self, api, role: str, seed: int):
-        import torch
-
-        wrapper_cls, config_cls = api
-        self.agent = wrapper_cls(f"{role}-{uuid.uuid4()}", config_cls(backends=["UCX"]))
-        self.name = self.agent.name
-        generator = torch.Generator().manual_seed(seed)
-        self.pool = torch.randint(0, 256, (NUM_BLOCKS, PAGE_BYTES), dtype=torch.uint8, generator=generator)
-        base = self.pool.data_ptr()
-        self.registration = self.agent.register_memory([(base, self.pool.numel(), 0, "")], "DRAM")
-        self.blocks = [(base + i * PAGE_BYTES, PAGE_BYTES, 0) for i in range(NUM_BLOCKS)]
-
-    def close(self) -> None:
-        self.agent.deregister_memory(self.registration)
+def ucx_libraries_loaded() -> list[str]:
+    """The UCX shared objects mapped into this process (none while only the child makes agents)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "libuc" in line or "UCX" in line})
 
 
-def _read(decode: _Engine, prefill: _Engine, pairs: list[tuple[int, int]], notif: bytes) -> None:
-    """Decode READs prefill page p into its page d for every (d, p) pair, and waits for completion."""
-    remote_name = decode.agent.add_remote_agent(prefill.agent.get_agent_metadata())
-    local = decode.agent.prep_xfer_dlist("NIXL_INIT_AGENT", decode.blocks, "DRAM")
-    remote = decode.agent.prep_xfer_dlist(remote_name, prefill.blocks, "DRAM")
-    handle = decode.agent.make_prepped_xfer(
-        "READ", local, [d for d, _ in pairs], remote, [p for _, p in pairs], notif
+def transfer_in_child(pairs: list[tuple[int, int]], notif: str) -> dict:
+    """Run the READ of ``pairs`` in a fresh interpreter; its pools as (NUM_BLOCKS, PAGE_BYTES) tensors."""
+    import torch
+
+    request = {"pairs": pairs, "num_blocks": NUM_BLOCKS, "page_bytes": PAGE_BYTES, "notif": notif}
+    child = subprocess.run(
+        [sys.executable, str(CHILD)], input=json.dumps(request), capture_output=True, text=True, timeout=300
     )
-    try:
-        state = decode.agent.transfer(handle)
-        deadline = time.monotonic() + 30
-        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-            state = decode.agent.check_xfer_state(handle)
-        assert state == "DONE", state
-    finally:
-        decode.agent.release_xfer_handle(handle)
-        decode.agent.release_dlist_handle(local)
-        decode.agent.release_dlist_handle(remote)
-        decode.agent.remove_remote_agent(remote_name)
+    assert child.returncode == 0, f"NIXL child exited {child.returncode}:\n{child.stderr[-4000:]}"
+    (line,) = [out for out in child.stdout.splitlines() if out.startswith("{")]
+    result = json.loads(line)
+    for key in ("before", "decode", "prefill"):
+        raw = bytearray.fromhex(result[key])
+        result[key] = torch.frombuffer(raw, dtype=torch.uint8).reshape(NUM_BLOCKS, PAGE_BYTES)
+    return result
 
 
 @pytest.mark.parametrize("case", list(TABLES))
@@ -104,27 +95,20 @@ def test_transfer_copies_exactly_the_paired_blocks(plugin, adapter, nixl_api, ca
     pairs = [(d, p) for dg, pg in zip(decode_ids, prefill_ids) for d, p in zip(dg, pg, strict=True)]
     assert pairs == expected_pairs
 
-    prefill, decode = _Engine(nixl_api, "prefill", seed=1), _Engine(nixl_api, "decode", seed=2)
-    try:
-        before = decode.pool.clone()
-        _read(decode, prefill, pairs, notif=b"req-p:1")
-
-        copied = {d for d, _ in pairs}
-        for d, p in pairs:
-            assert decode.pool[d].equal(prefill.pool[p]), f"decode block {d} != prefill block {p}"
-        untouched = [i for i in range(NUM_BLOCKS) if i not in copied]
-        assert len(untouched) == NUM_BLOCKS - len(pairs)
-        assert decode.pool[untouched].equal(before[untouched])
-        # D's own scratch slots keep their bytes; P's scratch bytes land nowhere.
-        assert decode.pool[[71, 72]].equal(before[[71, 72]])
-        for scratch_page in prefill.pool[[41, 42]]:
-            assert not (decode.pool == scratch_page).all(dim=1).any()
-        # The prefill side is told the read happened, the way vLLM frees P's blocks.
-        deadline = time.monotonic() + 10
-        notifs: list[bytes] = []
-        while not notifs and time.monotonic() < deadline:
-            notifs = prefill.agent.get_new_notifs().get(decode.name, [])
-        assert notifs == [b"req-p:1"]
-    finally:
-        decode.close()
-        prefill.close()
+    result = transfer_in_child(pairs, notif="req-p:1")
+    before, decode, prefill = result["before"], result["decode"], result["prefill"]
+    assert result["state"] == "DONE"
+    copied = {d for d, _ in pairs}
+    for d, p in pairs:
+        assert decode[d].equal(prefill[p]), f"decode block {d} != prefill block {p}"
+    untouched = [i for i in range(NUM_BLOCKS) if i not in copied]
+    assert len(untouched) == NUM_BLOCKS - len(pairs)
+    assert decode[untouched].equal(before[untouched])
+    # D's own scratch slots keep their bytes; P's scratch bytes land nowhere.
+    assert decode[[71, 72]].equal(before[[71, 72]])
+    for scratch_page in prefill[[41, 42]]:
+        assert not (decode == scratch_page).all(dim=1).any()
+    # The prefill side is told the read happened, the way vLLM frees P's blocks.
+    assert result["notifs"] == ["req-p:1"]
+    # The agents, and UCX with them, stayed in the child.
+    assert ucx_libraries_loaded() == []
