@@ -280,4 +280,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_junction_checkpoint.py::test_switch_selects_backport_or_native",),
         ("0.29.0",),
     ),
+    Mutant(
+        "finish-stores-pinned-while-the-engine-idles",
+        FINE,
+        "            self._finish_batches.append(batch)\n",
+        "            self._finish_batches.append(self._allocate(batch))\n",
+        # Pinned at finish again: an idle engine holds the answer's attention block, reset refuses.
+        ("tests/test_output_checkpoint.py::test_idle_engine_holds_no_block_after_the_answer",),
+        ("0.29.0",),
+    ),
 )

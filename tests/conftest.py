@@ -34,6 +34,7 @@ import hybrid_kv_plugin  # noqa: E402
 from hybrid_kv_plugin import registration  # noqa: E402
 from hybrid_kv_plugin.adapters import select_adapter  # noqa: E402
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine  # noqa: E402
+from hybrid_kv_plugin.sim.engine import default_scheduling  # noqa: E402
 
 def leftover_temp_entries() -> list[str]:
     """The plugin's own temp entries (``hybrid-kv-*``) the session made and did not remove."""
@@ -49,6 +50,25 @@ def pytest_sessionfinish(session, exitstatus):
         if reporter is not None:
             reporter.write_line(f"FAILED nothing-left-behind check: {message}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "both_schedulers: run the test under Scheduler and AsyncScheduler (engines it builds, parameter sync/async)"
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("both_schedulers") is not None:
+        metafunc.parametrize("scheduling", ["sync", "async"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def scheduling(request):
+    """The engine core every SimEngine of the test plays: "sync" (EngineCore.step) unless marked both_schedulers."""
+    mode = getattr(request, "param", "sync")
+    with default_scheduling(mode == "async"):
+        yield mode
 
 
 @pytest.fixture(scope="session")

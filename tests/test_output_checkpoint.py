@@ -150,6 +150,30 @@ def test_engine_geometry_under_retention_0(plugin, adapter):
     assert measured == ENGINE_ROWS[adapter.version]
 
 
+# GPU blocks still held once the request has left, before the next step: the 0.29 backport pins
+# its finish-time stores only when it sends them; 0.30+ (the wheel's own queue) pins at finish.
+IDLE_HELD = {"0.29.0": 0}
+
+
+def test_idle_engine_holds_no_block_after_the_answer(plugin, adapter):
+    """The real engine's case (issue #29): a 448-token prompt and 30 tokens (477 computed) on the engine
+    geometry: the answer's attention block keyed at 464 is stored at finish. The engine stops stepping
+    once the request has left (in-process LLM.generate), and reset_prefix_cache() must still succeed."""
+    _needs_supported(adapter)
+    run = turn_engine(adapter, True, ENGINE)
+    engine = run.engine
+    pool = engine.gpu_block_pool
+    start = pool.get_num_free_blocks()
+    engine.add_request("a", tokens(448), max_tokens=30)
+    while engine.scheduler.has_unfinished_requests():
+        engine.step()
+    held = IDLE_HELD.get(adapter.version, 1)
+    assert (start, start - pool.get_num_free_blocks(), engine.reset_prefix_cache()) == (255, held, held == 0)
+    engine.step()  # the next step sends (and here completes) the queued store
+    assert (pool.get_num_free_blocks(), engine.reset_prefix_cache(), engine.has_work()) == (start, True, False)
+    run.invariants.check()
+
+
 def test_chunked_prefill(plugin, adapter):
     _needs_supported(adapter)
     geometry = HybridGeometry(max_num_batched_tokens=128)

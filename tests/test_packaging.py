@@ -90,7 +90,7 @@ def test_sdist_carries_examples_scripts_and_license(built):
     prefix = f"hybrid_kv_plugin-{VERSION}/"
     with tarfile.open(sdist) as archive:
         names = {name.removeprefix(prefix) for name in archive.getnames()}
-    expected = {"LICENSE", "README.md", "CHANGELOG.md", "examples/multi_turn_cpu_offload.py", "examples/gpu_e2e.py",
+    expected = {"LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md", "examples/multi_turn_cpu_offload.py", "examples/gpu_e2e.py",
                 "scripts/demo", "scripts/test", "scripts/pins/vllm-0.29.0.txt", ".ci/run",
                 "src/hybrid_kv_plugin/ARCHITECTURE.md"}
     assert expected <= names, sorted(expected - names)

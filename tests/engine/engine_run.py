@@ -20,6 +20,10 @@ class EngineGeometry:
     cpu_bytes_to_use: int = 256 << 20
     # The CPU gated-delta-net kernel takes nothing else ("CPU GDN attention requires BF16.").
     dtype: str = "bfloat16"
+    # Its recurrent state: vLLM's CPU platform picks float32 for "auto" only on some hosts
+    # (0.29+: AVX-512 BF16; 0.27-0.28: AMX only), and the 0.28 kernel refuses a bf16 state
+    # ("initial_state dtype mismatch"). Named, so every host and wheel runs the same state.
+    mamba_ssm_cache_dtype: str = "float32"
 
 
 ENGINE_GEOMETRY = EngineGeometry()
@@ -52,6 +56,7 @@ def build_llm(model_dir: Path, geometry: EngineGeometry, **overrides: Any):
         prefix_match_unit=geometry.prefix_match_unit,
         max_model_len=geometry.max_model_len,
         dtype=geometry.dtype,
+        mamba_ssm_cache_dtype=geometry.mamba_ssm_cache_dtype,
         disable_log_stats=False,  # LLM.get_metrics() needs the stat loggers
         seed=0,
         kv_transfer_config={
@@ -97,3 +102,59 @@ def generate(llm, prompt: list[int], cache_salt: str | None = None, max_tokens: 
         local_hits=int(growth.get("vllm:prefix_cache_hits", 0)),
         external_hits=int(growth.get("vllm:external_prefix_cache_hits", 0)),
     )
+
+
+def like_for_like(llm, producer: list[int], consumer: list[int], hit: int, salt: str) -> Completion:
+    """``consumer`` computed from token 0 in the same chunks as a cached run of it that hit ``hit``.
+
+    bf16 kernels round by chunk (on an AMX host a suffix-only run and a whole-prompt run emit
+    different tokens), so a reference must end a prefill chunk where the cached run's hit
+    ends and compute the same suffix. Under a fresh salt, first: ``producer`` (the request
+    whose cold run left the state the cached run started from: the same prompt, so the same
+    chunks), then ``consumer`` from the GPU prefix cache. Where the wheel's GPU cache keeps no
+    state at ``hit`` (0.29: a prompt's tail state sits at its end, past any replay), under a
+    second salt: ``consumer[:hit + 1]``, whose prompt-tail split (the last hash boundary at or
+    below its length - 1 on every wheel here) falls at ``hit``, then ``consumer``. Either way
+    the reference's hit must be exactly ``hit`` (asserted).
+    """
+    generate(llm, producer, cache_salt=salt)
+    reference = generate(llm, consumer, cache_salt=salt)
+    if reference.num_cached_tokens != hit:
+        return cut_at_hit(llm, consumer, hit, salt + "-cut")
+    assert reference.num_cached_tokens == hit, (salt, reference.num_cached_tokens, hit)
+    return reference
+
+
+def cut_at_hit(llm, consumer: list[int], hit: int, salt: str) -> Completion:
+    """``consumer`` with a prefill chunk [0, hit) computed from scratch: under ``salt``, ``consumer[:hit + 1]``
+    (split at ``hit``, see ``like_for_like``), then ``consumer``, which must hit exactly ``hit``."""
+    generate(llm, consumer[: hit + 1], cache_salt=salt, max_tokens=1)
+    reference = generate(llm, consumer, cache_salt=salt)
+    assert reference.num_cached_tokens == hit, (salt, reference.num_cached_tokens, hit)
+    return reference
+
+
+def start_in_child(model_dir: Path, additional_config: dict, timeout_s: float = 1200) -> dict:
+    """How an engine start with ``additional_config`` ends, in a child process (``refusal.py``)."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("refusal.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), json.dumps(additional_config)],
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_START ")]
+    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def assert_outputs_match_references(runs: dict, length: int, phases: tuple[str, ...]) -> None:
+    """The cold run equals the salted uncached run, and each phase its like-for-like reference, exactly."""
+    uncached, cold = runs[length, "uncached"], runs[length, "cold"]
+    assert (uncached.num_cached_tokens, cold.num_cached_tokens) == (0, 0)
+    assert (cold.token_ids, cold.logprobs) == (uncached.token_ids, uncached.logprobs)
+    for phase in phases:
+        run, reference = runs[length, phase], runs[length, phase, "reference"]
+        assert (run.token_ids, run.logprobs) == (reference.token_ids, reference.logprobs), phase

@@ -1,6 +1,6 @@
 """What the CPU simulator (``hybrid_kv_plugin.sim``) predicts for the engine test's request sequence.
 
-Same geometry as the engine (attention block 32, Mamba block 64 ``align``, prefix-match
+Same geometry as the engine (attention block 32, Mamba block 32 ``align``, prefix-match
 unit 16), same connector and plugin, vLLM's real scheduler; only the model forward and
 the copies are simulated. The engine test holds the simulator to the engine's numbers.
 """
@@ -21,8 +21,11 @@ class PredictedHit:
     external: int  # of which loaded from the CPU tier
 
 
-def predict(geometry: EngineGeometry, sequence: list[tuple[str, list[int]]]) -> list[PredictedHit]:
-    """``sequence``: ``("run", prompt)`` or ``("reset", [])`` steps, in the engine test's order."""
+def predict(
+    geometry: EngineGeometry, sequence: list[tuple[str, list[int]]], additional_config: dict | None = None
+) -> list[PredictedHit]:
+    """``sequence``: ``("run", prompt)`` or ``("reset", [])`` steps, in the engine test's order;
+    ``additional_config``: the engine's plugin options (``{"hybrid_kv": {...}}``)."""
     engine = SimEngine(
         HybridGeometry(
             attention_block_size=geometry.attention_block_size,
@@ -30,9 +33,13 @@ def predict(geometry: EngineGeometry, sequence: list[tuple[str, list[int]]]) -> 
             hash_block_size=geometry.prefix_match_unit,
             num_gpu_blocks=4096,
             max_model_len=geometry.max_model_len,
+            # vLLM's default, which the engine runs: only replay boundaries keep a full block's
+            # Mamba state (the simulator's KVCacheConfig would otherwise keep every one).
+            prefix_cache_retention_interval=0,
         ),
         kv_connector=CONNECTOR_NAME,
         kv_connector_extra_config={"cpu_bytes_to_use": geometry.cpu_bytes_to_use},
+        additional_config=additional_config,
     )
     hits: list[PredictedHit] = []
     for i, (action, prompt) in enumerate(sequence):

@@ -13,12 +13,10 @@ fills it (``same_step_scenario.py``, measured block ids below).
 Reference for B: the same hit (80, the same prefill chunks) with no chain - P again
 under another salt, then B alone. With the plugin B equals it bit for bit; on stock
 vLLM (``HYBRID_KV_PLUGIN_DISABLE=1``, a subprocess: the plugin is registered once per
-process) B read zeroed KV for tokens 64..80 and its logprobs move by up to 0.0649.
-Against an uncached run (fresh ``cache_salt``) the prefill starts at 0 instead of 80,
-so only the continuation tolerance applies there, and it does not tell: stock B stays
-within it (0.0853; A, whose KV is right, differs from its own uncached run by 0.0601
-on both engines). The greedy tokens are the same on both engines (the tiny model's
-top token is not moved by 16 zeroed positions of its one attention layer).
+process) B read zeroed KV for tokens 64..80 and its logprobs move by more than
+``STOCK_MIN_LOGPROB_SHIFT`` (measured 0.0649 on 0.32 and 0.0609 on 0.29 on AMD EPYC, 0.064
+on an Intel AMX host). An uncached run (fresh ``cache_salt``) computes other chunks (from
+0, not 80), so it is no exact reference on every host and is not compared here.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ from pathlib import Path
 
 import pytest
 import same_step_scenario
-from engine_run import ENGINE_GEOMETRY, build_llm
-from test_engine_outputs import CONTINUATION_LOGPROB_TOLERANCE
+from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, build_llm
 
 STOCK_TIMEOUT_S = 1200
 # The copies the worker ran in the step admitting A and B, (src, dst): three Mamba
@@ -41,8 +38,33 @@ STOCK_TIMEOUT_S = 1200
 MAMBA_COPIES = [[10, 8], [10, 14], [11, 7], [11, 15], [12, 6], [12, 16]]
 STOCK_COPIES = [MAMBA_COPIES + [[9, 13], [13, 17]]]
 PLUGIN_COPIES = [MAMBA_COPIES + [[9, 13], [9, 17]]]
-HITS = {"P": 0, "A": 80, "B": 80, "B reference": 80, "B uncached": 0, "A uncached": 0}
-STOCK_MAX_LOGPROB_SHIFT = 0.0649  # stock B against its reference, rounded
+
+
+def predicted_hits() -> dict[str, int]:
+    """Each request's hit, by the simulator (vLLM's real scheduler, the same requests and steps;
+    needs the plugin registered in this process). 0.32: A 80, B 80 (a chain); 0.28: B 96, the
+    hit A's private block keys at once reaches B whole, no copy-on-write for B (no chain).
+    B's reference shares P's first 80 tokens as A does, so it hits as A does."""
+    from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+
+    g = ENGINE_GEOMETRY
+    sim = SimEngine(HybridGeometry(
+        attention_block_size=g.attention_block_size, mamba_block_size=g.mamba_block_size,
+        hash_block_size=g.prefix_match_unit, num_gpu_blocks=4096, max_model_len=g.max_model_len,
+        prefix_cache_retention_interval=0,
+    ))  # fmt: skip
+    p = same_step_scenario.prompts()
+    hits = sim.run([("P", p["P"])], max_tokens=MAX_TOKENS)
+    hits.update(sim.run([("A", p["A"]), ("B", p["B"])], max_tokens=MAX_TOKENS))
+    return {**hits, "B reference": hits["A"], "B uncached": 0, "A uncached": 0}
+
+
+def chain(hits: dict[str, int]) -> bool:
+    """B's copy-on-write reads A's private block in the same batch: both hit inside P's block."""
+    return hits["A"] == hits["B"] and hits["A"] % ENGINE_GEOMETRY.attention_block_size != 0
+# Stock B against its reference: a positive control, so a bound (bf16 rounding between hosts
+# moves the measured shift in its third decimal; the plugin's B differs by exactly 0).
+STOCK_MIN_LOGPROB_SHIFT = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -76,23 +98,28 @@ def max_shift(run: dict, name: str, reference: str) -> float:
 
 
 def test_hits(plugin_run, stock_run):
+    hits = predicted_hits()
     for run in (plugin_run, stock_run):
-        assert {name: run[name]["num_cached_tokens"] for name in HITS} == HITS
+        assert {name: run[name]["num_cached_tokens"] for name in hits} == hits
 
 
 def test_the_copies_the_worker_ran(plugin_run, stock_run):
+    if not chain(predicted_hits()):
+        # Nothing for the patch to reorder: both engines run the same copies.
+        assert stock_run["copies"] == plugin_run["copies"]
+        return
     assert stock_run["copies"] == STOCK_COPIES
     assert plugin_run["copies"] == PLUGIN_COPIES
 
 
-def test_with_the_plugin_b_reads_the_bytes_it_means(plugin_run):
+def test_with_the_plugin_b_reads_the_bytes_it_means(plugin_run, stock_run):
+    if not chain(predicted_hits()):
+        # B's hit is not its reference's (other chunks): B is held to stock's B, the same computation.
+        assert plugin_run["B"] == stock_run["B"]
+        return
     assert (plugin_run["B"]["token_ids"], plugin_run["B"]["logprobs"]) == (
         plugin_run["B reference"]["token_ids"],
         plugin_run["B reference"]["logprobs"],
-    )
-    assert plugin_run["B"]["token_ids"] == plugin_run["B uncached"]["token_ids"]
-    assert plugin_run["B"]["logprobs"] == pytest.approx(
-        plugin_run["B uncached"]["logprobs"], abs=CONTINUATION_LOGPROB_TOLERANCE
     )
 
 
@@ -100,8 +127,10 @@ def test_stock_b_attends_to_zeroed_kv(plugin_run, stock_run):
     # Without a chain both engines compute the same: P, A and B's reference, bit for bit.
     for name in ("P", "A", "B reference", "B uncached", "A uncached"):
         assert stock_run[name] == plugin_run[name], name
+    if not chain(predicted_hits()):
+        # No chain on this wheel: stock B reads what it means too (the positive control needs one).
+        assert stock_run["B"] == plugin_run["B"]
+        return
     assert stock_run["B"]["token_ids"] == stock_run["B reference"]["token_ids"]
-    assert round(max_shift(stock_run, "B", "B reference"), 4) == STOCK_MAX_LOGPROB_SHIFT
-    # The uncached comparison alone would not catch it: within the continuation tolerance.
-    assert round(max_shift(stock_run, "B", "B uncached"), 4) == 0.0853
-    assert round(max_shift(stock_run, "A", "A uncached"), 4) == 0.0601 == round(max_shift(plugin_run, "A", "A uncached"), 4)
+    assert max_shift(stock_run, "B", "B reference") > STOCK_MIN_LOGPROB_SHIFT
+    assert max_shift(plugin_run, "B", "B reference") == 0

@@ -146,6 +146,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         "_event_blocks",
         "boundary_store_stats",
         "unreported_outcomes",
+        "_handoff_keys",
     )
 
     # ------------------------------------------------------------------ construction
@@ -199,6 +200,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self.boundary_store_stats = BoundaryStoreStats()
         # {outcome label: n} counted since the connector last reported (it swaps in a new dict).
         self.unreported_outcomes: dict[str, int] = {}
+        # {key: GPU block} of hand-offs staged; a copy is in flight while its block is.
+        self._handoff_keys: dict[Any, int] = {}
 
     def _lazy_watermark(self) -> int:
         """GPU blocks the lazy cursor keeps offloaded ahead of eviction, from the resolved group sizes."""
@@ -398,6 +401,10 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         finished = scheduler_output.finished_req_ids
         preempted = scheduler_output.preempted_req_ids or ()
         gpu_blocks = self._gpu_block_pool.blocks
+        in_flight = self._in_flight_store_gpu_blocks
+        # Under async scheduling vLLM 0.26-0.31 re-key the prompt tail when the prefill's output
+        # arrives a step late and hand off a second copy under the same key, holding a later state.
+        staged_keys = self._handoff_keys = {k: b for k, b in self._handoff_keys.items() if b in in_flight}
         counted: dict[str, int] = {}
         for req_id, entries in handoffs.items():
             state = self._reqs_to_store.get(req_id)
@@ -411,6 +418,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             for _group, gpu_block_id, _boundary_tokens in entries:
                 block = gpu_blocks[gpu_block_id]
                 outcome = self._admission(block, batch)
+                if outcome is StoreOutcome.STORED and block._block_hash in staged_keys:
+                    outcome = StoreOutcome.SKIPPED_IN_FLIGHT  # a copy under this key is on its way
                 if outcome is StoreOutcome.STORED:
                     if batch.full:
                         outcome = StoreOutcome.DROPPED_CPU_FULL
@@ -421,6 +430,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                         )
                     else:
                         self._stage(batch, block)
+                        staged_keys[block._block_hash] = gpu_block_id
                         took_any = True
                 # ``_value_``: the enum's ``value`` property costs a descriptor call per read.
                 label = outcome._value_
@@ -492,11 +502,13 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return batch
 
     def prepare_store_specs(self, scheduler_output: Any) -> tuple[list[int], list[int], list[str]]:
+        # Checked first: a dropped block leaves the in-flight set before this step's scan.
+        finished = [self._still_cached(queued) for queued in self._finish_batches]
+        self._finish_batches.clear()
         batch = self._allocate(self._collect_lazy() if self._lazy_mode else self._collect_eager(scheduler_output))
         # Stores queued when a request finished ride along with this step's event.
-        for finished in self._finish_batches:
-            batch.absorb(finished)
-        self._finish_batches.clear()
+        for queued in finished:
+            batch.absorb(self._allocate(self._clipped(queued)))
         self._staged_for_event = batch.blocks
         return batch.gpu_block_ids, batch.cpu_block_ids, batch.req_ids
 
@@ -526,7 +538,37 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         if tail is not None and tail.block_id not in batch.gpu_block_ids and not batch.full:
             self._stage(batch, tail)
         if batch.blocks:
-            self._finish_batches.append(self._allocate(batch))
+            # Not pinned yet: an idle engine (no next step) must not hold GPU blocks, or
+            # reset_prefix_cache() refuses; the next step pins what is still cached.
+            self._finish_batches.append(batch)
+
+    def _still_cached(self, batch: StoreBatch) -> StoreBatch:
+        """The queued finish stores whose GPU blocks still carry the keys staged (evicted or reset blocks are dropped)."""
+        assert self._gpu_block_pool is not None
+        gpu_blocks = self._gpu_block_pool.blocks
+        kept = StoreBatch()
+        for record in batch.blocks:
+            if self._current_keys(gpu_blocks[record.gpu_block_id]) != record.keys:
+                self._in_flight_store_gpu_blocks.discard(record.gpu_block_id)
+                continue
+            kept.blocks.append(record)
+            kept.gpu_block_ids.append(record.gpu_block_id)
+        return kept
+
+    def _clipped(self, batch: StoreBatch) -> StoreBatch:
+        """``batch`` cut to the CPU blocks free now (its room was counted at finish, before other allocations)."""
+        room = self.cpu_block_pool.get_num_free_blocks()
+        for record in batch.blocks[room:]:
+            self._in_flight_store_gpu_blocks.discard(record.gpu_block_id)
+        del batch.blocks[room:], batch.gpu_block_ids[room:]
+        return batch
+
+    def _current_keys(self, block: KVCacheBlock) -> tuple[CacheKey, ...]:
+        """The keys :meth:`_stage` would record for ``block`` now."""
+        assert self._gpu_block_pool is not None
+        if block.block_id in self._gpu_block_pool.cached_block_hashes_by_block:
+            return self._keys_of(block)
+        return ((block._block_hash, block._block_hash_num_tokens),)
 
     def _attention_partial_tail(self, request: Any, block_ids: Sequence[Sequence[int]]) -> KVCacheBlock | None:
         """The full-attention block holding the prompt's last hash boundary (or, with
@@ -604,9 +646,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return bool(self._finish_batches) or super().has_pending_stores()
 
     def reset(self) -> bool:
-        for batch in self._finish_batches:
+        for batch in self._finish_batches:  # never pinned nor given CPU blocks
             self._in_flight_store_gpu_blocks.difference_update(batch.gpu_block_ids)
-            self._release_transfer_refs(TransferMeta(batch.gpu_block_ids, batch.cpu_block_ids))
         self._finish_batches.clear()
         done = super().reset()
         # Cumulative counters start over; growth not yet reported still reaches the metrics.

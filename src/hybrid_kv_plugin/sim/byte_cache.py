@@ -73,10 +73,14 @@ class _Prefix:
     def __init__(self) -> None:
         self.h = np.zeros(1, dtype=np.uint64)
 
-    def upto(self, tokens: Sequence[int], stop: int, powers: _Powers) -> np.ndarray:
+    def upto(self, tokens: Sequence[int], stop: int, powers: _Powers, pad: int | None = None) -> np.ndarray:
+        """``pad``: the token at every position from ``len(tokens)`` up to ``stop``."""
         known = len(self.h) - 1
         if stop > known:
-            new = np.asarray(tokens[known:stop], dtype=np.uint64) + np.uint64(1)
+            ids = tokens[known:stop]
+            if pad is not None:
+                ids = [*ids, *[pad] * (stop - max(known, len(tokens)))]
+            new = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
             sums = np.cumsum(new * powers.get(known, stop), dtype=np.uint64) + self.h[-1]
             self.h = np.concatenate([self.h, sums])
         return self.h
@@ -144,8 +148,11 @@ class ByteCache:
         import torch
         from vllm.v1.kv_cache_interface import MambaSpec
 
+        from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
+
         self.engine = engine
         self.torch = torch
+        self.sampled_token = SAMPLED_TOKEN
         self.attention: list[tuple[int, int]] = []  # (group, block size)
         self.mamba: list[tuple[int, int]] = []  # (group, block size), align mode only
         managers = engine.scheduler.kv_cache_manager.coordinator.single_type_managers
@@ -197,7 +204,12 @@ class ByteCache:
         if request is None:
             return None
         prefix = self.prefixes.setdefault(req_id, _Prefix())
-        return prefix.upto(request.all_token_ids, stop, self.powers)
+        tokens = request.all_token_ids
+        if 0 < stop - len(tokens) <= request.num_output_placeholders:
+            # Async scheduling: a decode runs before the scheduler has its input token, the
+            # one the worker sampled itself in the step before (always the simulator's token).
+            return prefix.upto(tokens, stop, self.powers, pad=self.sampled_token)
+        return prefix.upto(tokens, stop, self.powers)
 
     def _violation(self, text: str) -> None:
         self.violations.append(f"step {self._step}: {text}")

@@ -4,11 +4,21 @@ Invariant kept by :meth:`SimEngine.step`: the hand-made ``ModelRunnerOutput`` sa
 exactly one token for a request whose scheduled tokens reach the end of its known
 tokens (prompt complete, or a decode step), and none for a partial prefill chunk,
 which is what a real model runner reports.
+
+Two drivers, as the engine core has: ``async_scheduling=False`` schedules, executes and
+delivers each step's output before the next schedule (``EngineCore.step``);
+``async_scheduling=True`` builds the wheel's ``AsyncScheduler`` and plays
+``EngineCore.step_with_batch_queue`` with the config's ``max_concurrent_batches``
+(2): step N is executed as soon as it is scheduled, and its output is delivered
+after step N+1 is scheduled, so requests carry ``num_output_placeholders``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +27,19 @@ from hybrid_kv_plugin.sim.byte_cache import ByteCache
 from hybrid_kv_plugin.sim.geometry import DRAFT_LAYER, HybridGeometry, build_kv_cache_config, build_vllm_config
 
 SAMPLED_TOKEN = 7
+# The driver of an engine built without ``async_scheduling``: the scenario helpers build
+# their own engines, so a test switches all of them at once (tests/conftest.py).
+_ASYNC_BY_DEFAULT: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_kv_sim_async", default=False)
+
+
+@contextlib.contextmanager
+def default_scheduling(async_scheduling: bool) -> Iterator[None]:
+    """Engines built inside the block without an explicit ``async_scheduling`` get this one."""
+    token = _ASYNC_BY_DEFAULT.set(async_scheduling)
+    try:
+        yield
+    finally:
+        _ASYNC_BY_DEFAULT.reset(token)
 
 
 @dataclass
@@ -24,7 +47,7 @@ class StepRecord:
     index: int
     num_scheduled_tokens: dict[str, int]
     first_scheduled: dict[str, int]  # req_id -> num_computed_tokens when it first ran (local + external hit)
-    finished: list[str]
+    finished: list[str]  # left the scheduler in this step (under async: when an earlier step's output arrived)
     load_event: int | None = None
     store_event: int | None = None
 
@@ -88,8 +111,8 @@ class SimEngine:
         scheduler_cls: type | None = None,
         configure: Callable[[Any], None] | None = None,
         byte_check: bool | None = None,
+        async_scheduling: bool | None = None,
     ):
-        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -118,7 +141,19 @@ class SimEngine:
         self.scheduler_block_size, self.hash_block_size = wheel.resolve_block_sizes(
             adapter, self.kv_cache_config, self.vllm_config
         )
-        scheduler_cls = scheduler_cls or Scheduler
+        if async_scheduling is None:
+            async_scheduling = _ASYNC_BY_DEFAULT.get()
+        self.async_scheduling = async_scheduling
+        if async_scheduling:
+            # What a GPU `vllm serve` of a generative model resolves to on every supported wheel.
+            self.vllm_config.scheduler_config.async_scheduling = True
+        if scheduler_cls is None:
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls() if async_scheduling else Scheduler
+        # Batches executed and not yet delivered, oldest first (the engine core's batch queue).
+        self._in_flight: deque[tuple[Any, Any]] = deque()
+        self._queue_depth = self.vllm_config.max_concurrent_batches if async_scheduling else 1
         self.scheduler = scheduler_cls(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
@@ -178,28 +213,57 @@ class SimEngine:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def has_work(self) -> bool:
+        return self._wants_schedule() or bool(self._in_flight)
+
+    def _wants_schedule(self) -> bool:
+        """The scheduler has requests, or the worker still owes transfer reports (a step runs it)."""
         pending_transfers = bool(self.transfers._pending)
         connector_busy = False
         if self.connector is not None and hasattr(self.connector, "has_pending_transfers"):
             connector_busy = bool(self.connector.has_pending_transfers())
         return self.scheduler.has_requests() or pending_transfers or connector_busy
 
+    @property
+    def in_flight(self) -> int:
+        """Batches executed whose output the scheduler has not received yet (0 without async)."""
+        return len(self._in_flight)
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepRecord:
-        from vllm.v1.outputs import ModelRunnerOutput
+        """One engine-core step: schedule and execute, then deliver an output if one is due."""
+        record = StepRecord(index=len(self.steps), num_scheduled_tokens={}, first_scheduled={}, finished=[])
+        if not self.async_scheduling:
+            scheduler_output = self._schedule(record)
+            self._deliver(scheduler_output, self._execute(scheduler_output, record))
+        else:
+            # EngineCore.step_with_batch_queue: fill the queue first; deliver the oldest
+            # batch once it is full, or when this step ran nothing and nothing waits.
+            if self._wants_schedule():
+                scheduler_output = self._schedule(record)
+                self._in_flight.append((scheduler_output, self._execute(scheduler_output, record)))
+                executed = scheduler_output.total_num_scheduled_tokens > 0
+                if len(self._in_flight) < self._queue_depth and (executed or self.scheduler.has_requests()):
+                    self._finish_step(record)
+                    return record
+            if self._in_flight:
+                self._deliver(*self._in_flight.popleft())
+        self._finish_step(record)
+        return record
 
+    def _schedule(self, record: StepRecord) -> Any:
         scheduler_output = self.scheduler.schedule()
-        record = StepRecord(
-            index=len(self.steps),
-            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-            first_scheduled={},
-            finished=[],
-        )
+        record.num_scheduled_tokens = dict(scheduler_output.num_scheduled_tokens)
         for new_request in scheduler_output.scheduled_new_reqs:
             record.first_scheduled[new_request.req_id] = new_request.num_computed_tokens
             outcome = self.outcomes.get(new_request.req_id)
             if outcome is not None and outcome.hit_tokens is None:
                 outcome.hit_tokens = new_request.num_computed_tokens
+        return scheduler_output
+
+    def _execute(self, scheduler_output: Any, record: StepRecord) -> Any:
+        """The simulated worker runs one scheduled step, right after it was scheduled; its output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
         if self.byte_cache is not None:
             self.byte_cache.before_forward(scheduler_output)
             self.byte_cache.forward(scheduler_output)
@@ -207,22 +271,27 @@ class SimEngine:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
             req_ids.append(req_id)
+            # Read right after schedule(): the computed tokens include this step's, and under
+            # async the earlier steps' placeholders, so a decode always reaches the end.
             prompt_done = request.num_computed_tokens >= request.num_tokens
             sampled.append([SAMPLED_TOKEN] if prompt_done else [])
-        output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=self._worker_transfers(scheduler_output, record),
         )
+
+    def _deliver(self, scheduler_output: Any, output: Any) -> None:
         self.scheduler.update_from_output(scheduler_output, output)
+
+    def _finish_step(self, record: StepRecord) -> None:
         # Only requests not yet finished are checked: a long trace has thousands of outcomes.
         for req_id in [r for r in self._unfinished if r not in self.scheduler.requests]:
             self._unfinished.discard(req_id)
             self.outcomes[req_id].finished = True
             record.finished.append(req_id)
         self.steps.append(record)
-        return record
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepRecord]:
         """Step until idle; then the byte check's violations, if any, fail the run (all named)."""

@@ -58,7 +58,7 @@ _IDLE_EMPTY_TABLES = (
     "_pending_finished_stores",  # the same queue in vLLM 0.30+
     "_event_blocks",  # the 0.29 backport's per-event staging records
 )
-# Stores staged when a request finished and not yet sent: they pin GPU and CPU blocks.
+# Stores staged when a request finished and not yet sent (0.30+: pinned; the 0.29 backport: pinned once sent).
 _FINISH_QUEUES = ("_finish_batches", "_pending_finished_stores")
 
 
@@ -93,7 +93,8 @@ def connector_pins(manager: Any) -> tuple[Counter[int], Counter[int]]:
     loads = [s.transfer_meta for s in (*manager._reqs_to_load.values(), *manager._abandoned_reqs_to_load.values())]
     stores = [*manager._store_event_to_blocks.values(), *manager._abandoned_store_event_to_blocks.values()]
     for queue in _FINISH_QUEUES:
-        stores += list(getattr(manager, queue, ()))
+        # The 0.29 backport's queued batches get CPU blocks (and pin) only when sent.
+        stores += [batch for batch in getattr(manager, queue, ()) if batch.cpu_block_ids]
     gpu = Counter(_ids(loads, "gpu_block_ids") + _ids(stores, "gpu_block_ids"))
     cpu = Counter(_ids(loads, "cpu_block_ids") + _ids(stores, "cpu_block_ids"))
     for pending in manager._pending_cpu_hits.values():
