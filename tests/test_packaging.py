@@ -20,7 +20,7 @@ import hybrid_kv_plugin
 
 ROOT = pathlib.Path(__file__).parents[1]
 VERSION = hybrid_kv_plugin.__version__
-SOURCES = ("pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md",
+SOURCES = ("pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
            "src", "examples", "scripts", ".ci")
 
 
