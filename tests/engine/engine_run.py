@@ -121,7 +121,6 @@ def like_for_like(llm, producer: list[int], consumer: list[int], hit: int, salt:
     reference = generate(llm, consumer, cache_salt=salt)
     if reference.num_cached_tokens != hit:
         return cut_at_hit(llm, consumer, hit, salt + "-cut")
-    assert reference.num_cached_tokens == hit, (salt, reference.num_cached_tokens, hit)
     return reference
 
 

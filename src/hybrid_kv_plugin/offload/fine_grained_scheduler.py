@@ -548,7 +548,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         gpu_blocks = self._gpu_block_pool.blocks
         kept = StoreBatch()
         for record in batch.blocks:
-            if self._current_keys(gpu_blocks[record.gpu_block_id]) != record.keys:
+            if self._keys_of(gpu_blocks[record.gpu_block_id]) != record.keys:
                 self._in_flight_store_gpu_blocks.discard(record.gpu_block_id)
                 continue
             kept.blocks.append(record)
@@ -563,12 +563,6 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         del batch.blocks[room:], batch.gpu_block_ids[room:]
         return batch
 
-    def _current_keys(self, block: KVCacheBlock) -> tuple[CacheKey, ...]:
-        """The keys :meth:`_stage` would record for ``block`` now."""
-        assert self._gpu_block_pool is not None
-        if block.block_id in self._gpu_block_pool.cached_block_hashes_by_block:
-            return self._keys_of(block)
-        return ((block._block_hash, block._block_hash_num_tokens),)
 
     def _attention_partial_tail(self, request: Any, block_ids: Sequence[Sequence[int]]) -> KVCacheBlock | None:
         """The full-attention block holding the prompt's last hash boundary (or, with
