@@ -289,4 +289,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_output_checkpoint.py::test_idle_engine_holds_no_block_after_the_answer",),
         ("0.29.0",),
     ),
+    Mutant(
+        "finish-store-pin-kept-at-queue",
+        "patches/finish_store_pinning.py",
+        "            pool.free_blocks(blocks)\n",
+        "            pass\n",
+        # The wheel's pin at finish stays (and the send pins again): an idle engine holds the block.
+        ("tests/test_output_checkpoint.py::test_idle_engine_holds_no_block_after_the_answer",),
+        ("0.30.0",),
+    ),
+    Mutant(
+        "finish-store-sent-after-its-block-was-evicted",
+        "patches/finish_store_pinning.py",
+        "        kept = [block_keys(pool, pool.blocks[ids[i]]) == keys for i, keys in enumerate(store.keys)]\n",
+        "        kept = [True for keys in store.keys]\n",
+        # A GPU block evicted since the request finished is copied anyway (its keys are gone).
+        ("tests/test_output_checkpoint.py::test_queued_answer_store_is_sent_unless_its_block_was_reused[evicted-before-sent]",),
+        ("0.30.0",),
+    ),
 )

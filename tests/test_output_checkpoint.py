@@ -40,11 +40,18 @@ def _stock_steps(adapter) -> int:
     return 42 if adapter.version in NEW_WHEELS else 41
 
 
-def test_cpu_tier_serves_the_previous_answer(plugin, adapter):
+# Known gap (issue #29): under AsyncScheduler a decode step's boundary is cached one step late, when
+# the next forward is already scheduled to overwrite the running state; the option keeps nothing there
+# (no wrong state: it keeps none) and the next turn falls back to the prompt's 320.
+ANSWER_HIT = {"sync": 352, "async": 320}
+
+
+@pytest.mark.both_schedulers
+def test_cpu_tier_serves_the_previous_answer(plugin, adapter, scheduling):
     _needs_supported(adapter)
     on = _turns(adapter, True, reset_gpu=True)
     # The last unit boundary of the 359 computed tokens; all of it loaded from the CPU tier.
-    assert (on.hit, on.external) == (352, 352)
+    assert (on.hit, on.external) == (ANSWER_HIT[scheduling],) * 2
     for off in (_turns(adapter, False, reset_gpu=True), _turns(adapter, None, reset_gpu=True)):
         assert (off.hit, off.external) == (320, 320)
 
@@ -150,11 +157,6 @@ def test_engine_geometry_under_retention_0(plugin, adapter):
     assert measured == ENGINE_ROWS[adapter.version]
 
 
-# GPU blocks still held once the request has left, before the next step: the 0.29 backport pins
-# its finish-time stores only when it sends them; 0.30+ (the wheel's own queue) pins at finish.
-IDLE_HELD = {"0.29.0": 0}
-
-
 def test_idle_engine_holds_no_block_after_the_answer(plugin, adapter):
     """The real engine's case (issue #29): a 448-token prompt and 30 tokens (477 computed) on the engine
     geometry: the answer's attention block keyed at 464 is stored at finish. The engine stops stepping
@@ -167,19 +169,61 @@ def test_idle_engine_holds_no_block_after_the_answer(plugin, adapter):
     engine.add_request("a", tokens(448), max_tokens=30)
     while engine.scheduler.has_unfinished_requests():
         engine.step()
-    held = IDLE_HELD.get(adapter.version, 1)
-    assert (start, start - pool.get_num_free_blocks(), engine.reset_prefix_cache()) == (255, held, held == 0)
-    engine.step()  # the next step sends (and here completes) the queued store
+    # The finish-time store is pinned only when sent (0.29 backport; patch finish_store_pinning, 0.30+).
+    assert (start, start - pool.get_num_free_blocks(), engine.reset_prefix_cache()) == (255, 0, True)
+    engine.step()  # the reset dropped the queued store: nothing is sent
     assert (pool.get_num_free_blocks(), engine.reset_prefix_cache(), engine.has_work()) == (start, True, False)
     run.invariants.check()
 
 
-def test_chunked_prefill(plugin, adapter):
+def _queued_finish_store_blocks(manager) -> list[int]:
+    """GPU block ids of the stores queued at finish, not sent yet (the 0.29 backport's queue or the wheel's)."""
+    queued = getattr(manager, "_finish_batches", None)
+    if queued is None:
+        queued = manager._pending_finished_stores
+    return [block_id for store in queued for block_id in store.gpu_block_ids]
+
+
+def _answer_then_idle(adapter):
+    run = turn_engine(adapter, True, ENGINE)
+    engine = run.engine
+    engine.add_request("a", tokens(448), max_tokens=30)
+    while engine.scheduler.has_unfinished_requests():
+        engine.step()
+    manager = engine.offload_manager
+    return run, engine, manager, _queued_finish_store_blocks(manager)
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["sent", "evicted-before-sent"])
+def test_queued_answer_store_is_sent_unless_its_block_was_reused(plugin, adapter, evicted):
+    """Without a reset, the next step sends the queued store (the CPU tier gains the answer's block keyed
+    at 464); a block evicted from the GPU prefix cache before that step is dropped from the store and no
+    CPU block stays reserved for it."""
+    _needs_supported(adapter)
+    run, engine, manager, queued = _answer_then_idle(adapter)
+    cpu = manager.cpu_block_pool
+    cached = len(cpu.cached_block_hash_to_block)
+    assert len(queued) == 1
+    if evicted:
+        engine.gpu_block_pool.evict_blocks(set(queued))
+    while engine.has_work():
+        engine.step()
+    stored = len(cpu.cached_block_hash_to_block) - cached
+    # CPU blocks in use once idle: the pool's null block only.
+    cpu_held = cpu.num_gpu_blocks - cpu.get_num_free_blocks()
+    assert (stored, cpu_held, len(manager._in_flight_store_gpu_blocks)) == ((0 if evicted else 1), 1, 0)
+    assert engine.reset_prefix_cache()
+    run.invariants.check()
+
+
+@pytest.mark.both_schedulers
+def test_chunked_prefill(plugin, adapter, scheduling):
     _needs_supported(adapter)
     geometry = HybridGeometry(max_num_batched_tokens=128)
     on = _turns(adapter, True, reset_gpu=True, geometry=geometry)
     off = _turns(adapter, False, reset_gpu=True, geometry=geometry)
-    assert (on.hit, off.hit, on.steps - off.steps, on.max_answer_states) == (352, 320, 0, 1)
+    kept = 1 if scheduling == "sync" else 0  # the gap above
+    assert (on.hit, off.hit, on.steps - off.steps, on.max_answer_states) == (ANSWER_HIT[scheduling], 320, 0, kept)
 
 
 def test_eagle_block_drop_keeps_one_unit_lower(plugin, adapter):

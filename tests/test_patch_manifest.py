@@ -33,9 +33,11 @@ REMOVAL_NOTES = {
     "output_checkpoint_bind": "not yet (present up to 0.33.0)",
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
     "output_checkpoint_offload": "not yet (present up to 0.33.0)",
+    "finish_store_pinning": "not yet (present up to 0.33.0)",
     "offload_has_connector": "never (installed on 0.33+)",
     "async_load_liveness": "not yet (present up to 0.33.0)",
     "same_step_copy_chains": "not yet (present up to 0.33.0)",
+    "step_stats_without_outputs": "0.28.0",
 }
 
 
@@ -85,11 +87,11 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains",
+        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains",
+        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains", "step_stats_without_outputs",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
@@ -102,22 +104,22 @@ PLANNED_BY_WHEEL = {
     "0.30.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "output_checkpoint_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
     ],
 }
 

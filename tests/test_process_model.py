@@ -90,7 +90,9 @@ def test_each_spawned_process_registers_once_and_patches_its_sides(adapter, monk
     assert [r.get("error") for r in reports.values()] == [None] * len(ROLES)
     every_patch = sorted(spec.name for spec in patch_specs(adapter))
     worker_patches = sorted(spec.name for spec in patch_specs(adapter) if spec.side is Side.WORKER)
-    expected = {"api_server": [], "engine_core": every_patch, "worker": worker_patches, "any": every_patch}
+    # The engine core runs no in-process LLMEngine: front-end patches go only where one may run.
+    engine_core = sorted(spec.name for spec in patch_specs(adapter) if spec.side is not Side.FRONTEND)
+    expected = {"api_server": [], "engine_core": engine_core, "worker": worker_patches, "any": every_patch}
     assert len({r["pid"] for r in reports.values()} | {os.getpid()}) == len(ROLES) + 1
     for name, role in ROLES.items():
         assert {k: v for k, v in reports[name].items() if k != "pid"} == {
@@ -105,6 +107,9 @@ def test_each_spawned_process_registers_once_and_patches_its_sides(adapter, monk
     # The scheduler side is patched somewhere on every wheel (at least its config hook).
     assert "scheduler_plugin_config" in every_patch
     assert worker_patches == (["nixl_worker_pairing"] if adapter.version == "0.26.0" else [])
+    assert sorted(set(every_patch) - set(engine_core)) == (
+        ["step_stats_without_outputs"] if adapter.llm_engine_drops_stats_without_outputs else []
+    )
 
 
 def test_a_worker_goes_inert_when_a_scheduler_target_changed(no_plugin, adapter, monkeypatch):

@@ -257,8 +257,8 @@ def test_unsupported_wheel_is_inert_with_one_line(no_plugin, monkeypatch, plugin
         ("EngineCore", "engine_core", {"scheduler", "worker"}),
         ("EngineCore_DP2", "engine_core", {"scheduler", "worker"}),
         ("VllmWorker-7", "worker", {"worker"}),
-        ("MainProcess", "any", {"scheduler", "worker"}),
-        ("SpawnProcess-1", "any", {"scheduler", "worker"}),
+        ("MainProcess", "any", {"scheduler", "worker", "frontend"}),
+        ("SpawnProcess-1", "any", {"scheduler", "worker", "frontend"}),
     ],
 )
 def test_process_role_from_vllm_process_name(name, role, sides):

@@ -22,6 +22,7 @@ class Side(str, Enum):
 
     SCHEDULER = "scheduler"  # the engine core: Scheduler, KV cache manager, connector scheduler side
     WORKER = "worker"  # the model runner's process: connector worker side
+    FRONTEND = "frontend"  # the in-process LLM engine (LLMEngine); an API server runs AsyncLLM instead
 
 
 class Role(str, Enum):
@@ -39,7 +40,7 @@ _SIDES = {
     Role.API_SERVER: frozenset(),
     Role.ENGINE_CORE: frozenset({Side.SCHEDULER, Side.WORKER}),  # a single-process executor's worker
     Role.WORKER: frozenset({Side.WORKER}),
-    Role.ANY: frozenset({Side.SCHEDULER, Side.WORKER}),
+    Role.ANY: frozenset({Side.SCHEDULER, Side.WORKER, Side.FRONTEND}),
 }
 _PREFIXES = (("ApiServer_", Role.API_SERVER), ("EngineCore", Role.ENGINE_CORE), ("VllmWorker-", Role.WORKER))
 

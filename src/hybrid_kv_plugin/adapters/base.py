@@ -114,6 +114,9 @@ class VllmAdapter:
     # boundary hand-off channel (0.29+). 0.26-0.28 run the plugin's replacement channel
     # (patch mamba_boundary_handoffs), which the feature does not cover yet: refused there.
     output_checkpoint_supported: ClassVar[bool] = False
+    # The in-process LLMEngine.step() records scheduler stats only on steps with request outputs
+    # (0.26-0.27; vLLM #48668, 0.28, records every step): patch step_stats_without_outputs.
+    llm_engine_drops_stats_without_outputs: ClassVar[bool] = False
 
     # Backports this plugin release ships; a feature missing from here is "unavailable".
     backports_shipped: ClassVar[frozenset[Feature]] = frozenset()

@@ -25,6 +25,8 @@ class Vllm026Adapter(VllmAdapter):
     # Its connector path serves max(per-group hits) as the local prefix (0.27 reconciles).
     connector_lookup_takes_deepest_group = True
     mamba_marks_requests_allocating_nothing = False
+    # LLMEngine.step() drops the stats of a step without request outputs (0.28 fixed it).
+    llm_engine_drops_stats_without_outputs = True
 
     def installs_backport(self, feature: Feature) -> bool:
         if feature is Feature.NIXL_SSM_SLOT_PAIRING and _nixl_scheduler_clips_ssm():

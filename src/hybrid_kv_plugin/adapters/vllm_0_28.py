@@ -13,6 +13,7 @@ class Vllm028Adapter(Vllm027Adapter):
     # truncate_computed_blocks caps Mamba groups itself.
     mamba_lookup_trim_patch_needed = False
     mamba_marks_requests_allocating_nothing = True
+    llm_engine_drops_stats_without_outputs = False
     simplecpu_stock_keys = Vllm027Adapter.simplecpu_stock_keys | {
         "kv_offload_backend",
         "disk_path",

@@ -26,6 +26,7 @@ from hybrid_kv_plugin.patches import (
     async_load_liveness,
     boundary_handoff_publish,
     connector_hit_reconcile,
+    finish_store_pinning,
     junction_coordinator,
     junction_split,
     mamba_allocated_mark,
@@ -43,6 +44,7 @@ from hybrid_kv_plugin.patches import (
     prompt_tail_split,
     same_step_copy_chains,
     scheduler_plugin_config,
+    step_stats_without_outputs,
     truncate_mamba_lookup,
 )
 
@@ -76,9 +78,11 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     output_checkpoint_bind,
     output_checkpoint_manager,
     output_checkpoint_offload,
+    finish_store_pinning,
     offload_has_connector,
     async_load_liveness,
     same_step_copy_chains,
+    step_stats_without_outputs,
 )
 
 

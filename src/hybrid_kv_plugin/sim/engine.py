@@ -153,6 +153,8 @@ class SimEngine:
             scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls() if async_scheduling else Scheduler
         # Batches executed and not yet delivered, oldest first (the engine core's batch queue).
         self._in_flight: deque[tuple[Any, Any]] = deque()
+        # Load failures the worker reported in an output not yet delivered, by that output's identity.
+        self._undelivered_failures: dict[int, tuple[int, list[str], list[int]]] = {}
         self._queue_depth = self.vllm_config.max_concurrent_batches if async_scheduling else 1
         self.scheduler = scheduler_cls(
             vllm_config=self.vllm_config,
@@ -284,6 +286,10 @@ class SimEngine:
 
     def _deliver(self, scheduler_output: Any, output: Any) -> None:
         self.scheduler.update_from_output(scheduler_output, output)
+        # A failed load counts once the scheduler has received its report (under async: a step late).
+        failure = self._undelivered_failures.pop(id(output.kv_connector_output), None)
+        if failure is not None:
+            self.transfers.failed_loads.append(failure)
 
     def _finish_step(self, record: StepRecord) -> None:
         # Only requests not yet finished are checked: a long trace has thousands of outcomes.
@@ -386,7 +392,7 @@ class SimEngine:
                 f"scheduler maps to one KV-cache group; this geometry has "
                 f"{len(self.kv_cache_config.kv_cache_groups)}"
             )
-        self.transfers.failed_loads.append((step, req_ids, gpu_ids))
+        self._undelivered_failures[id(output)] = (step, req_ids, gpu_ids)
 
     def _observe_connector(self) -> None:
         """Record each request's external (connector) hit; the connector's answer is unchanged."""

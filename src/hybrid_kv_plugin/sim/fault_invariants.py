@@ -58,7 +58,8 @@ _IDLE_EMPTY_TABLES = (
     "_pending_finished_stores",  # the same queue in vLLM 0.30+
     "_event_blocks",  # the 0.29 backport's per-event staging records
 )
-# Stores staged when a request finished and not yet sent (0.30+: pinned; the 0.29 backport: pinned once sent).
+# Stores staged when a request finished and not yet sent: their GPU blocks are pinned only once sent (the 0.29
+# backport; patch finish_store_pinning on 0.30+); 0.30+ reserves their CPU blocks at finish.
 _FINISH_QUEUES = ("_finish_batches", "_pending_finished_stores")
 
 
@@ -92,11 +93,9 @@ def connector_pins(manager: Any) -> tuple[Counter[int], Counter[int]]:
     """(GPU, CPU) references the SimpleCPU scheduler side holds, by block id."""
     loads = [s.transfer_meta for s in (*manager._reqs_to_load.values(), *manager._abandoned_reqs_to_load.values())]
     stores = [*manager._store_event_to_blocks.values(), *manager._abandoned_store_event_to_blocks.values()]
-    for queue in _FINISH_QUEUES:
-        # The 0.29 backport's queued batches get CPU blocks (and pin) only when sent.
-        stores += [batch for batch in getattr(manager, queue, ()) if batch.cpu_block_ids]
+    queued = [batch for queue in _FINISH_QUEUES for batch in getattr(manager, queue, ())]
     gpu = Counter(_ids(loads, "gpu_block_ids") + _ids(stores, "gpu_block_ids"))
-    cpu = Counter(_ids(loads, "cpu_block_ids") + _ids(stores, "cpu_block_ids"))
+    cpu = Counter(_ids(loads, "cpu_block_ids") + _ids(stores, "cpu_block_ids") + _ids(queued, "cpu_block_ids"))
     for pending in manager._pending_cpu_hits.values():
         # (per-group CPU blocks, ...): pinned while the scheduler allocates.
         cpu.update(b.block_id for group in pending[0] for b in group if not b.is_null)
@@ -243,6 +242,9 @@ class StepInvariants:
         self.checks += 1
         expected_gpu = table_refs(scheduler.kv_cache_manager.coordinator)
         expected_gpu.update(b.block_id for b in partial_tail_pins(self.engine.adapter, scheduler.kv_cache_manager))
+        # Under async scheduling with a consumer connector the scheduler defers frees (and the release of
+        # copy-on-write sources) until the step that may still read them has completed.
+        expected_gpu.update(b.block_id for _, blocks in scheduler.deferred_frees for b in blocks)
         expected_cpu: Counter[int] = Counter()
         if self.manager is not None:
             for problem in audit_pool(self.manager.cpu_block_pool, "CPU"):
