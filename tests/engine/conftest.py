@@ -50,7 +50,9 @@ def llm(model_dir):
 # Modules that build their own in-process engine run first: shutting an in-process engine down
 # tears down vLLM's process-wide parallel groups, which the shared `llm` engine (built lazily,
 # after them) would otherwise lose mid-session.
-OWN_ENGINE_MODULES = ("test_prompt_tail_engine.py", "test_output_checkpoint_engine.py", "test_same_step_copies.py")
+OWN_ENGINE_MODULES = (
+    "test_prompt_tail_engine.py", "test_output_checkpoint_engine.py", "test_same_step_copies.py", "test_async_scheduling.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

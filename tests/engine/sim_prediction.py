@@ -22,10 +22,12 @@ class PredictedHit:
 
 
 def predict(
-    geometry: EngineGeometry, sequence: list[tuple[str, list[int]]], additional_config: dict | None = None
+    geometry: EngineGeometry, sequence: list[tuple[str, list[int]]], additional_config: dict | None = None,
+    async_scheduling: bool = False,
 ) -> list[PredictedHit]:
     """``sequence``: ``("run", prompt)`` or ``("reset", [])`` steps, in the engine test's order;
-    ``additional_config``: the engine's plugin options (``{"hybrid_kv": {...}}``)."""
+    ``additional_config``: the engine's plugin options (``{"hybrid_kv": {...}}``); ``async_scheduling``:
+    the engine core's scheduler (``AsyncScheduler`` and its batch queue when True)."""
     engine = SimEngine(
         HybridGeometry(
             attention_block_size=geometry.attention_block_size,
@@ -40,6 +42,7 @@ def predict(
         kv_connector=CONNECTOR_NAME,
         kv_connector_extra_config={"cpu_bytes_to_use": geometry.cpu_bytes_to_use},
         additional_config=additional_config,
+        async_scheduling=async_scheduling,
     )
     hits: list[PredictedHit] = []
     for i, (action, prompt) in enumerate(sequence):

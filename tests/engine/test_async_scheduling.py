@@ -1,0 +1,82 @@
+"""The engine suite's main sequence under ``AsyncScheduler``, the scheduler a GPU ``vllm serve`` runs by default.
+
+vLLM's CPU platform turns ``async_scheduling`` off for every engine ("async scheduling
+is not required on CPU"). This module's engine keeps it on through a test-only override
+of that one switch (``CpuPlatform.check_and_update_config`` runs unchanged, then the
+requested value is put back); with it the CPU engine runs ``AsyncScheduler`` and its
+batch queue (measured: the same tokens and logprobs as ``Scheduler`` on a 448-token
+prompt). Then the sequence of ``test_engine_outputs`` (cold, GPU replay, CPU-tier replay
+after ``reset_prefix_cache()``, continuation) runs on it: hits must be the simulator's
+under async, and every output equal its like-for-like reference computed by the same
+engine, token for token and logprob for logprob.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, build_llm, generate, like_for_like
+from sim_prediction import predict
+from test_engine_outputs import LENGTHS, PHASES, continuation_of, engine_side, prompt_of, request_sequence
+
+
+def _keep_requested_async(original):
+    def check_and_update_config(cls, vllm_config):
+        requested = vllm_config.scheduler_config.async_scheduling
+        original(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = requested
+
+    return classmethod(check_and_update_config)
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_dir):
+    from vllm.platforms.cpu import CpuPlatform
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuPlatform, "check_and_update_config", _keep_requested_async(CpuPlatform.check_and_update_config))
+        engine = build_llm(model_dir, ENGINE_GEOMETRY, async_scheduling=True)
+    try:
+        yield engine
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_runs(async_llm):
+    runs = {}
+    for action, phase, n, tokens in request_sequence():
+        if action == "reset":
+            assert async_llm.reset_prefix_cache()
+        else:
+            runs[n, phase] = generate(async_llm, tokens)
+    for n in LENGTHS:
+        runs[n, "uncached"] = generate(async_llm, prompt_of(n), cache_salt=f"uncached-{n}")
+        for phase in ("gpu", "cpu", "continuation"):
+            tokens = continuation_of(n) if phase == "continuation" else prompt_of(n)
+            runs[n, phase, "reference"] = like_for_like(
+                async_llm, prompt_of(n), tokens, runs[n, phase].num_cached_tokens, salt=f"reference-{phase}-{n}"
+            )
+    return runs
+
+
+def test_the_engine_runs_the_async_scheduler(async_llm):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    core = async_llm.llm_engine.engine_core.engine_core
+    assert async_llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
+    assert type(core.scheduler) is AsyncScheduler
+    assert core.batch_queue_size == 2
+
+
+def test_hits_and_outputs_under_async(async_runs):
+    steps = request_sequence()
+    predicted = iter(predict(ENGINE_GEOMETRY, [(a, t) for a, _, _, t in steps], async_scheduling=True))
+    sim_hits = {(n, phase): next(predicted) for action, phase, n, _ in steps if action == "run"}
+    engine = {key: (run.num_cached_tokens, run.external_hits) for key, run in async_runs.items() if key in sim_hits}
+    assert len(engine) == len(LENGTHS) * len(PHASES)
+    assert engine == {key: engine_side(sim_hits, *key) for key in sim_hits}
+    for n in LENGTHS:
+        assert_outputs_match_references(async_runs, n, ("gpu", "cpu", "continuation"))
+    # The same hits as under Scheduler (test_engine_outputs asserts those against its engine).
+    sync = predict(ENGINE_GEOMETRY, [(a, t) for a, _, _, t in steps], async_scheduling=False)
+    assert [(h.hit, h.external) for h in sync] == [(h.hit, h.external) for h in sim_hits.values()]
