@@ -14,9 +14,9 @@ engine, token for token and logprob for logprob.
 from __future__ import annotations
 
 import pytest
-from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, build_llm, generate, like_for_like
+from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, build_llm
 from sim_prediction import predict
-from test_engine_outputs import LENGTHS, PHASES, continuation_of, engine_side, prompt_of, request_sequence
+from test_engine_outputs import LENGTHS, PHASES, engine_side, request_sequence, run_sequence
 
 
 def _keep_requested_async(original):
@@ -43,20 +43,7 @@ def async_llm(model_dir):
 
 @pytest.fixture(scope="module")
 def async_runs(async_llm):
-    runs = {}
-    for action, phase, n, tokens in request_sequence():
-        if action == "reset":
-            assert async_llm.reset_prefix_cache()
-        else:
-            runs[n, phase] = generate(async_llm, tokens)
-    for n in LENGTHS:
-        runs[n, "uncached"] = generate(async_llm, prompt_of(n), cache_salt=f"uncached-{n}")
-        for phase in ("gpu", "cpu", "continuation"):
-            tokens = continuation_of(n) if phase == "continuation" else prompt_of(n)
-            runs[n, phase, "reference"] = like_for_like(
-                async_llm, prompt_of(n), tokens, runs[n, phase].num_cached_tokens, salt=f"reference-{phase}-{n}"
-            )
-    return runs
+    return run_sequence(async_llm)
 
 
 def test_the_engine_runs_the_async_scheduler(async_llm):

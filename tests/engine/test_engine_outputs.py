@@ -54,6 +54,11 @@ def request_sequence() -> list[tuple[str, str, int, list[int]]]:
 
 @pytest.fixture(scope="module")
 def engine_runs(llm):
+    return run_sequence(llm)
+
+
+def run_sequence(llm) -> dict:
+    """``request_sequence()`` on ``llm``, then per length the uncached run and each phase's like-for-like reference."""
     runs = {}
     for action, phase, n, tokens in request_sequence():
         if action == "reset":
