@@ -301,7 +301,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "finish-store-sent-after-its-block-was-evicted",
         "patches/finish_store_pinning.py",
-        "        kept = [block_keys(pool, pool.blocks[ids[i]]) == keys for i, keys in enumerate(store.keys)]\n",
+        "        kept = [block_keys(pool, pool.blocks[b]) == keys for b, keys in zip(ids, store.keys)]\n",
         "        kept = [True for keys in store.keys]\n",
         # A GPU block evicted since the request finished is copied anyway (its keys are gone).
         ("tests/test_output_checkpoint.py::test_queued_answer_store_is_sent_unless_its_block_was_reused[evicted-before-sent]",),

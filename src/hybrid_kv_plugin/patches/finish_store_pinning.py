@@ -150,12 +150,10 @@ def _pin_still_cached(scheduler: Any, queued: list[UnpinnedStore]) -> None:
     """Pin the queued blocks that still hold what was queued; drop the others from their stores."""
     pool = scheduler._gpu_block_pool
     pending = scheduler._pending_finished_stores
-    for store in queued:
-        if not any(store.transfer is t for t in pending):
-            continue
+    for store in _still_pending(queued, pending):
         transfer = store.transfer
         ids = transfer.gpu_block_ids
-        kept = [block_keys(pool, pool.blocks[ids[i]]) == keys for i, keys in enumerate(store.keys)]
+        kept = [block_keys(pool, pool.blocks[b]) == keys for b, keys in zip(ids, store.keys)]
         if not all(kept):
             cpu = scheduler.cpu_block_pool
             cpu.free_blocks([cpu.blocks[b] for b, keep in zip(transfer.cpu_block_ids, kept) if not keep])
@@ -168,18 +166,25 @@ def _pin_still_cached(scheduler: Any, queued: list[UnpinnedStore]) -> None:
     pending[:] = [t for t in pending if t.gpu_block_ids]
 
 
+def _still_pending(queued: list[UnpinnedStore], pending: list[Any]) -> list[UnpinnedStore]:
+    """The queued stores the wheel still has in its queue (by identity: ``TransferMeta`` compares by value)."""
+    waiting = {id(transfer) for transfer in pending}
+    return [store for store in queued if id(store.transfer) in waiting]
+
+
 def _wrap_reset(original: Any) -> Any:
     @functools.wraps(original)
     def reset(self: Any) -> Any:
         queued = self.__dict__.get(UNPINNED_ATTR)
         if queued:
             pending = self._pending_finished_stores
-            for store in queued:
-                if any(store.transfer is t for t in pending):
-                    cpu = self.cpu_block_pool
-                    cpu.free_blocks([cpu.blocks[i] for i in store.transfer.cpu_block_ids])
-                    self._in_flight_store_gpu_blocks.difference_update(store.transfer.gpu_block_ids)
-                    pending[:] = [t for t in pending if t is not store.transfer]
+            released = {id(store.transfer) for store in _still_pending(queued, pending)}
+            cpu = self.cpu_block_pool
+            for transfer in pending:
+                if id(transfer) in released:
+                    cpu.free_blocks([cpu.blocks[i] for i in transfer.cpu_block_ids])
+                    self._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+            pending[:] = [t for t in pending if id(t) not in released]
             queued.clear()
         return original(self)
 
