@@ -54,15 +54,19 @@ def conversation(turns: int, system_tokens: int, user_tokens: int, reply_tokens:
 
 def serve(adapter, connector: str, plan, extra: dict):
     """Run the conversation; (CPU-tier hit per turn, the connector)."""
-    from hybrid_kv_plugin.sim.offload_scenarios import offload_engine
+    from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+    from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 
-    run = offload_engine(adapter, connector, extra=extra)
+    # 4 MiB of CPU blocks: 16x the tiny model's GPU pool, so nothing is evicted from the CPU tier.
+    engine = SimEngine(HybridGeometry(), adapter=adapter, kv_connector=connector,
+                       kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22, **extra})
+    invariants = OffloadInvariants(engine)
     hits = []
-    for prompt, max_tokens in plan:
-        assert run.engine.reset_prefix_cache()
-        hits.append(run.request(prompt, max_tokens=max_tokens))
-    run.invariants.check()  # CPU blocks released, nothing stored twice, loads at their hash's position
-    return hits, run.engine.connector
+    for turn, (prompt, max_tokens) in enumerate(plan):
+        assert engine.reset_prefix_cache()
+        hits.append(engine.run([(f"turn{turn}", prompt)], max_tokens=max_tokens)[f"turn{turn}"])
+    invariants.check()  # CPU blocks released, nothing stored twice, loads at their hash's position
+    return hits, engine.connector
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -307,4 +307,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_output_checkpoint.py::test_queued_answer_store_is_sent_unless_its_block_was_reused[evicted-before-sent]",),
         ("0.30.0",),
     ),
+    Mutant(
+        "divergence-gate-still-needs-eagle",
+        "junction/gate.py",
+        "    if not coordinator.eagle_group_ids and not divergence:\n",
+        "    if not coordinator.eagle_group_ids:\n",
+        # mamba_divergence_checkpoint without EAGLE would stay closed (backport plan and native gate alike).
+        ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
+        ("0.29.0", "0.33.0"),
+    ),
 )

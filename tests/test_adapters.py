@@ -85,3 +85,12 @@ def test_fine_grained_backport_names_the_added_channel():
     # 0.29 publishes the hand-offs itself: no channel patch.
     planned = planned_patches(adapter_for_family((0, 29), "0.29.0"))
     assert [p.patch for p in planned if p.patch in HANDOFF_CHANNEL_PATCHES] == []
+
+
+def test_doctor_rows_give_each_feature_one_name():
+    from hybrid_kv_plugin.adapters.capabilities import FEATURE_KEYS, FEATURES, PATCH_TAGS, Feature
+
+    # Every adapter verdict appears in exactly one row; keys are unique and double as patch tags.
+    assert sorted(r.verdict_of.value for r in FEATURES if r.verdict_of) == sorted(f.value for f in Feature)
+    assert len(FEATURE_KEYS) == len(FEATURES) == 7
+    assert PATCH_TAGS == FEATURE_KEYS | {"vllm_fix", "plugin_config"}

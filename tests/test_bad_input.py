@@ -54,7 +54,7 @@ def test_switch_unknown_key(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": {"mamba_shared_prefix_chekpoint": True}})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_shared_prefix_chekpoint: unknown key "
-        "(allowed keys: async_load_liveness, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_divergence_checkpoint, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 
@@ -63,7 +63,7 @@ def test_switch_section_not_an_object(plugin, make_engine):
         make_engine(additional_config={"hybrid_kv": "on"})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: hybrid_kv must be a JSON object, got str "
-        "(allowed keys: async_load_liveness, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
+        "(allowed keys: async_load_liveness, mamba_divergence_checkpoint, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)"
     )
 
 

@@ -70,8 +70,8 @@ def test_bench_command_reports_both_cases_structure(capsys, in_process):
 
 def _tail_case(prompt: int) -> BenchCase:
     """Request A, GPU cache evicted, then A's prompt again / A's prompt + 3 tokens (one engine each)."""
-    from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION
     from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
+    from scenarios.offload import CONTINUATION
 
     a = tuple(tokens(prompt))
 

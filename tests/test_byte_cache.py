@@ -11,9 +11,9 @@ import pytest
 
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.sim.byte_cache import describe, make_tags, prefix_hashes
-from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, offload_engine
 
 from helpers import tokens
+from scenarios.offload import CONTINUATION, cpu_tier_hit, offload_engine
 
 # The CPU-tier hit of A's prompt 352 + 3 tokens (tests/test_cpu_offload_table.py): the
 # prompt-tail Mamba state sits at 352 up to 0.31 and at 336 (last boundary <= N-1) from 0.32.

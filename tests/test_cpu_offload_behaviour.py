@@ -14,10 +14,10 @@ import pytest
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
-from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 from hybrid_kv_plugin.sim import HybridGeometry
 
 from helpers import tokens
+from scenarios.offload import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 
 FA32 = HybridGeometry(attention_block_size=32)
 # The prompt whose Mamba prompt-tail state sits at 336 tokens: the last hash boundary

@@ -13,9 +13,9 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.patches import patch_specs
-from hybrid_kv_plugin.sim.offload_scenarios import offload_engine
 
 from helpers import tokens
+from scenarios.offload import offload_engine
 
 EXPECTED_SUPPORT = {
     "0.26.0": Support.BACKPORT,

@@ -13,10 +13,10 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim import HybridGeometry
-from hybrid_kv_plugin.sim.offload_scenarios import cpu_tier_hit, gpu_local_hit, offload_engine
 from hybrid_kv_plugin.sim.wheel import make_kv_cache_tensor, resolve_block_sizes
 
 from helpers import tokens
+from scenarios.offload import cpu_tier_hit, gpu_local_hit, offload_engine
 
 PROMPTS = (320, 336, 352, 368, 400, 496)
 # Where the GPU side keeps the prompt-tail Mamba state decides the best reachable hit:

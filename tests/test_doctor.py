@@ -20,9 +20,56 @@ def test_doctor_table_matches_adapter(adapter, capsys, monkeypatch):
     assert report["vllm_version"] == adapter.version
     assert report["adapter"] == adapter.name
     assert report["status"] == "active"
-    supports = tuple(f["support"] for f in report["features"])
+    verdicts = {f["feature"]: f["support"] for f in report["features"]}
+    supports = tuple(verdicts[k] for k in ("fine_grained_cpu_hits", "mamba_shared_prefix_checkpoint", "nixl_ssm_slot_pairing"))
     assert supports == tuple(s.value for s in CAPABILITY_TABLE[adapter.version])
+    # The plugin's own options: their patches go in from 0.29 on (async_load_liveness: the 0.29 scheduler's fix).
+    opt_in = "plugin" if adapter.version >= "0.29" else "unavailable"
+    for key in ("prompt_tail_checkpoint", "mamba_output_checkpoint", "mamba_divergence_checkpoint", "async_load_liveness"):
+        assert verdicts[key] == opt_in
     assert [p["name"] for p in report["patches"]] == [s.name for s in patch_specs(adapter)]
+
+
+def test_doctor_table_lists_every_feature_and_option(adapter, capsys):
+    from hybrid_kv_plugin.config import ConnectorOptions, PluginConfig
+
+    assert main(["doctor", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["features"]
+    assert [r["feature"] for r in rows] == [
+        "fine_grained_cpu_hits",
+        "mamba_shared_prefix_checkpoint",
+        "nixl_ssm_slot_pairing",
+        "prompt_tail_checkpoint",
+        "mamba_output_checkpoint",
+        "mamba_divergence_checkpoint",
+        "async_load_liveness",
+    ]
+    options = " ".join(r["option"] for r in rows)
+    for name in [*PluginConfig.model_fields, *ConnectorOptions.model_fields, "HybridSimpleCPUConnector", "NixlConnector"]:
+        assert name in options
+
+
+def test_each_patch_names_what_it_serves(adapter, capsys):
+    from hybrid_kv_plugin.adapters.capabilities import PATCH_TAGS
+    from hybrid_kv_plugin.patches import PATCH_MODULES, planned_patches
+
+    assert {m.__name__.rsplit(".", 1)[1]: m.FEATURE for m in PATCH_MODULES if m.FEATURE == "vllm_fix"} == {
+        "connector_hit_reconcile": "vllm_fix",
+        "mamba_allocated_mark": "vllm_fix",
+        "truncate_mamba_lookup": "vllm_fix",
+        "finish_store_pinning": "vllm_fix",
+        "same_step_copy_chains": "vllm_fix",
+        "step_stats_without_outputs": "vllm_fix",
+    }
+    assert all(m.FEATURE in PATCH_TAGS for m in PATCH_MODULES)
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    # Grouped: each planned patch appears under its group's header, the fixes last.
+    headers = [line for line in text.splitlines() if line.startswith("  ") and line.endswith("):")]
+    assert headers[-1] == "  vLLM fix: standalone fixes of vLLM bugs (vllm_fix):"
+    for planned in planned_patches(adapter):
+        header = next(h for h in headers if h.endswith(f"({planned.feature}):"))
+        assert text.index(header) < text.index(f"    {planned.spec.name} [")
 
 
 def test_doctor_text_names_each_feature(adapter, capsys):
@@ -97,9 +144,57 @@ def test_doctor_rejects_invalid_serve_lines_with_exit_2(args, error, capsys):
     import shlex
 
     assert console_main(["doctor", "--", *shlex.split(args)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("hybrid-kv doctor: error: ")
+    assert error in captured.err
+    assert captured.err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------- a real model's geometry
+QWEN3_NEXT_DIR = "qwen3-next-80b-a3b-instruct"
+
+
+def test_doctor_explains_a_unit_the_resolved_block_refuses(capsys):
+    from hybrid_kv_plugin.sim.geometry import data_dir
+
+    assert console_main(["doctor", "--", data_dir(QWEN3_NEXT_DIR), "--prefix-match-unit", "64"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    # One error, vLLM's, explained with the block vLLM resolved (no check against an assumed 16).
+    assert captured.err.startswith("hybrid-kv doctor: error: vLLM refuses this geometry: Invalid prefix_match_unit=64; ")
+    assert captured.err.endswith(
+        "-- in plain words: --prefix-match-unit 64 must divide the 544-token attention block and the 544-token "
+        "Mamba block vLLM resolves for Qwen3NextForCausalLM; units that do: 16, 32, 272, 544\n"
+    )
+    assert captured.err.count("\n") == 1
+    assert "16" not in captured.err.split(" -- in plain words")[0].replace("prefix_match_unit=64", "")
+
+
+def test_doctor_names_the_resolved_granularity_and_the_finer_unit(capsys):
+    from hybrid_kv_plugin.sim.geometry import data_dir
+
+    assert main(["doctor", "--", data_dir(QWEN3_NEXT_DIR), "--enable-prefix-caching"]) == 0
     out = capsys.readouterr().out
-    assert "vllm serve arguments: INVALID" in out
-    assert error in out
+    assert "attention block 544 / Mamba block 544 align / prefix-match unit 544; max model len 262144" in out
+    assert "  reuse granularity: 544 tokens; minimum cacheable prefix: 544 tokens\n" in out
+    assert "  finer unit: --prefix-match-unit 16 (reuse every 16 tokens instead of 544)\n" in out
+    assert "it costs 34 prefix hashes per 544-token block instead of 1, and each Mamba state kept at a unit " \
+        "boundary is 38.2 MiB" in out
+    assert main(["doctor", "--json", "--", data_dir(QWEN3_NEXT_DIR), "--enable-prefix-caching"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["unit_advice"] == {"unit": 16, "block": 544, "hashes_per_block": 34, "mamba_state_bytes": 36 * 1_114_112}
+    assert report["serve_check"]["reuse_granularity"] == 544
+
+
+def test_doctor_with_the_finer_unit_reuses_every_16_tokens(capsys):
+    from hybrid_kv_plugin.sim.geometry import data_dir
+
+    line = [data_dir(QWEN3_NEXT_DIR), "--enable-prefix-caching", "--prefix-match-unit", "16"]
+    assert main(["doctor", "--json", "--", *line]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["serve_check"]["reuse_granularity"], report["unit_advice"]) == (16, None)
+    assert report["serve_check"]["geometry"]["attention_block_size"] == 544
 
 
 # ---------------------------------------------------------------------------- speculative decoding and the junction switch
@@ -211,3 +306,28 @@ def test_prefix_caching_off_has_no_granularity(adapter):
     verdict = check_serve_args("--no-enable-prefix-caching --block-size 16", adapter)
     assert (verdict.errors, verdict.reuse_granularity, verdict.mamba_cache_mode) == ([], None, "none")
     assert verdict.notes == ["prefix caching is off (--no-enable-prefix-caching): no request reuses a prefix"]
+
+
+@pytest.mark.parametrize(
+    ("option", "fact"),
+    [
+        ('"prompt_tail_checkpoint": "both"', "prompt_tail_checkpoint_supported"),
+        ('"mamba_output_checkpoint": true', "output_checkpoint_supported"),
+        ('"mamba_divergence_checkpoint": true', "divergence_checkpoint_supported"),
+    ],
+)
+def test_doctor_refuses_an_option_the_wheel_refuses_at_start_up(adapter, capsys, option, fact):
+    """doctor says what start-up would say: the option's key and the first wheel that has it, exit 2."""
+    from hybrid_kv_plugin.adapters import first_wheel_where
+
+    argv = ["doctor", "--", "--enable-prefix-caching", "--additional-config", f'{{"hybrid_kv": {{{option}}}}}']
+    code = console_main(argv)
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hybrid-kv")]
+    key = option.split('"')[1]
+    if getattr(adapter, fact):
+        assert (code, err_lines) == (0, [])
+    else:
+        assert code == 2 and len(err_lines) == 1
+        line = err_lines[0]
+        assert line.startswith(f"hybrid-kv doctor: error: --additional-config: invalid hybrid-kv-plugin configuration: hybrid_kv.{key}")
+        assert f"needs vLLM >= {first_wheel_where(fact)} and this is vLLM {adapter.version}" in line

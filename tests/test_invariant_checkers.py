@@ -18,12 +18,12 @@ import pytest
 from hybrid_kv_plugin.adapters import Feature
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-from hybrid_kv_plugin.sim.fault_invariants import FailedLoad, audit_pool
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
-from hybrid_kv_plugin.sim.offload_scenarios import CPU_BYTES, OffloadRun, cpu_tier_hit
-from hybrid_kv_plugin.sim.soak import FaultHarness, variants
 
 from helpers import tokens
+from scenarios.offload import CPU_BYTES, OffloadRun, cpu_tier_hit
+from soak.harness import FaultHarness, variants
+from soak.step_invariants import FailedLoad, audit_pool
 
 # test_cpu_offload_behaviour's CPU-tier hit: 336 tokens hit, 64 of them local; the CPU tier
 # loads attention blocks 4..20 and the Mamba state of 336 tokens into Mamba block 5.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybrid_kv_plugin.models.geometry import GIB, GeometryError, ServeLine, parse_serve_line, resolve
 from hybrid_kv_plugin.sim.geometry import data_dir
-from hybrid_kv_plugin.sim.model_geometry import GIB, GeometryError, ServeLine, parse_serve_line, resolve
 
 QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
 NEMOTRON_H = data_dir("nemotron-nano-9b-v2")
@@ -102,3 +102,136 @@ def test_not_a_model_directory(tmp_path):
     with pytest.raises(GeometryError) as err:
         resolve(ServeLine(model=str(tmp_path)))
     assert str(err.value) == f"{tmp_path}: no config.json there (a local model directory is needed)"
+
+
+# ---------------------------------------------------------------------------- every hybrid architecture
+# (config dir, architecture, attention block, Mamba block, unit, attention layers, Mamba layers, max model len).
+# Each wheel 0.26-0.33 resolves these the same, except Kimi-Linear's block (its KDA state changed in 0.27).
+ARCHITECTURES = [
+    ("qwen3.5-27b", "Qwen3_5ForCausalLM", 400, 400, 400, 16, 48, 262144),
+    ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM", 544, 544, 544, 10, 30, 262144),
+    ("qwen3-next-80b-a3b-instruct", "Qwen3NextForCausalLM", 544, 544, 544, 12, 36, 262144),
+    ("nemotron-nano-9b-v2", "NemotronHForCausalLM", 1312, 1312, 1312, 4, 27, 131072),
+    ("granite-4.0-h-small", "GraniteMoeHybridForCausalLM", 528, 528, 528, 4, 36, 131072),
+    ("jamba-mini-1.5", "JambaForCausalLM", 80, 80, 80, 4, 28, 262144),
+    # Every Falcon-H1 layer runs attention and Mamba side by side.
+    ("falcon-h1-7b-instruct", "FalconH1ForCausalLM", 3120, 3120, 3120, 44, 44, 262144),
+    ("kimi-linear-48b-a3b-instruct", "KimiLinearForCausalLM", None, None, None, 7, 20, 1048576),
+    # Zamba2's 8 "hybrid" layers hold a Mamba mixer and a shared attention block each.
+    ("zamba2-2.7b-instruct", "Zamba2ForCausalLM", 48, 48, 48, 8, 54, 4096),
+    ("lfm2-1.2b", "Lfm2ForCausalLM", 16, 16, 16, 6, 10, 128000),
+]
+
+
+def _kimi_block(adapter) -> int:
+    return 1888 if adapter.version == "0.26.0" else 1920
+
+
+@pytest.mark.parametrize("row", ARCHITECTURES, ids=[r[0] for r in ARCHITECTURES])
+def test_every_hybrid_architecture_resolves(row, adapter):
+    name, arch, attention, mamba, unit, attention_layers, mamba_layers, max_len = row
+    if attention is None:
+        attention = mamba = unit = _kimi_block(adapter)
+    geometry = resolve(ServeLine(model=data_dir(name)))
+    assert geometry.architecture == arch
+    assert (geometry.attention_block_size, geometry.mamba_block_size, geometry.hash_block_size) == (attention, mamba, unit)
+    assert (geometry.attention_layers, geometry.mamba_layers) == (attention_layers, mamba_layers)
+    assert geometry.max_model_len == max_len
+    assert geometry.mamba_cache_mode == "align"
+
+
+def test_qwen3_5_blocks_follow_vllms_rule():
+    # Qwen3.5-27B: K+V x 4 KV heads x 256 x bf16; Gated DeltaNet state (4 - 1) x (2 x 16 x 128 + 48 x 128)
+    # plus 48 x 128 x 128, bf16. Qwen3.5-35B-A3B: 2 KV heads; 32 value heads.
+    assert _aligned_block(3 * (2 * 16 * 128 + 48 * 128) * 2 + 48 * 128 * 128 * 2, 2 * 4 * 256 * 2) == 400
+    assert _aligned_block(3 * (2 * 16 * 128 + 32 * 128) * 2 + 32 * 128 * 128 * 2, 2 * 2 * 256 * 2) == 544
+
+
+@pytest.mark.parametrize("name", ["bamba-9b", "minimax-text-01"])
+def test_architecture_vllm_no_longer_serves(name, adapter):
+    arch = {"bamba-9b": "BambaForCausalLM", "minimax-text-01": "MiniMaxText01ForCausalLM"}[name]
+    with pytest.raises(GeometryError) as err:
+        resolve(ServeLine(model=data_dir(name)))
+    assert str(err.value) == (
+        f"vLLM refuses this geometry: config.json architectures {arch}: vLLM {adapter.version} no longer serves it "
+        "(removed in 0.23.0); serve it with vLLM < 0.23.0, where this plugin does not run"
+    )
+
+
+def _edited_config(tmp_path, name, edit):
+    import json
+
+    with open(f"{data_dir(name)}/config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_missing_config_field_is_named(tmp_path):
+    model = _edited_config(tmp_path, "lfm2-1.2b", lambda c: c.pop("conv_dim"))
+    with pytest.raises(GeometryError) as err:
+        resolve(ServeLine(model=model))
+    assert str(err.value) == (
+        "vLLM refuses this geometry: config.json has no field 'conv_dim', which vLLM's Lfm2ForCausalLM code reads; "
+        "copy it from the model's published config.json"
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda c: c.pop("linear_attn_config"),
+            "config.json field 'linear_attn_config' is missing; vLLM's KimiLinearForCausalLM code needs it as an "
+            "object with full_attn_layers, kda_layers, head_dim, num_heads, short_conv_kernel_size: copy it from "
+            "the published config.json",
+        ),
+        (
+            lambda c: c["linear_attn_config"].pop("full_attn_layers"),
+            "config.json field 'linear_attn_config' lacks full_attn_layers, which vLLM's KimiLinearForCausalLM code "
+            "reads: copy it from the published config.json",
+        ),
+    ],
+)
+def test_kimi_linear_without_its_layer_map(tmp_path, edit, message):
+    model = _edited_config(tmp_path, "kimi-linear-48b-a3b-instruct", edit)
+    with pytest.raises(GeometryError) as err:
+        resolve(ServeLine(model=model))
+    assert str(err.value) == "vLLM refuses this geometry: " + message
+
+
+def test_a_unit_that_does_not_divide_the_resolved_block_is_explained():
+    with pytest.raises(GeometryError) as err:
+        resolve(parse_serve_line(f"{QWEN3_NEXT} --prefix-match-unit 64"))
+    assert str(err.value).startswith("vLLM refuses this geometry: Invalid prefix_match_unit=64; ")
+    assert str(err.value).endswith(
+        " -- in plain words: --prefix-match-unit 64 must divide the 544-token attention block and the 544-token "
+        "Mamba block vLLM resolves for Qwen3NextForCausalLM; units that do: 16, 32, 272, 544"
+    )
+
+
+def test_finest_unit_and_its_cost(qwen):
+    from hybrid_kv_plugin.models.unit_advice import finer_unit
+
+    advice = finer_unit(ServeLine(model=QWEN3_NEXT), qwen)
+    assert (advice.unit, advice.block, advice.hashes_per_block) == (16, 544, 34)
+    assert advice.mamba_state_bytes == 36 * 1_114_112  # one padded page per Mamba layer
+    # Already on the finest step of the kernel grid: nothing finer to name.
+    lfm2 = resolve(ServeLine(model=data_dir("lfm2-1.2b")))
+    assert finer_unit(ServeLine(model=data_dir("lfm2-1.2b")), lfm2) is None
+
+
+def test_inspection_leaves_nothing_behind():
+    import importlib.util
+    import sys
+
+    from vllm.model_executor.models import registry
+
+    from hybrid_kv_plugin.models.inspection import _AbsentFinder
+
+    resolve(ServeLine(model=data_dir("qwen3.5-27b")))
+    assert registry._run_in_subprocess.__module__ == registry.__name__
+    assert not any(isinstance(finder, _AbsentFinder) for finder in sys.meta_path)
+    if importlib.util.find_spec("torchvision") is None:  # the lean pins: the placeholder modules are gone
+        assert not [name for name in sys.modules if name.split(".")[0] == "torchvision"]

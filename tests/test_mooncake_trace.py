@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_kv_plugin.sim.mooncake import TimedSegment, TraceFormatError, load_mooncake
+from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
+from hybrid_kv_plugin.sim.mooncake import BlockTokens, TimedSegment, TraceFormatError, load_mooncake
 from hybrid_kv_plugin.sim.workload import ideal_reuse
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
@@ -82,7 +83,7 @@ def test_ideal_reuse_matches_the_hash_ids(unit):
     with SAMPLE.open() as handle:
         items = [json.loads(line) for line in handle]
     with SAMPLE.open() as handle:
-        (segment,) = load_mooncake(handle)
+        (segment,) = load_mooncake(handle, conversation_model="blocks")
     ideal = ideal_reuse(segment.requests, unit)
     expected = {}
     for number, item in enumerate(items):
@@ -125,3 +126,59 @@ def test_a_line_in_the_other_format_is_refused():
     assert str(err.value) == (
         "trace line 2: not a Mooncake line (the file mixes formats: its first line is Mooncake)"
     )
+
+
+# ---------------------------------------------------------------------------- conversation model
+def _prompts(lines, model="continuation"):
+    (segment,) = load_mooncake(lines, conversation_model=model)
+    return [list(r.prompt_token_ids) for r in segment.requests], segment.conversation
+
+
+def test_continuation_second_turn_is_first_prompt_then_answer_then_own_tokens():
+    """Turn 1: 700 tokens (one full block + 188), answer 5. Turn 2 (760 tokens) extends the full
+    block: it is turn 1's prompt, the 5 answer tokens the simulator emitted, then 55 of its own."""
+    block = BlockTokens(512)
+    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])])
+    assert first == list(block(1)) + list(block(2)[:188])
+    assert second == first + [SAMPLED_TOKEN] * 5 + list(block(3)[705 - 512 : 760 - 512])
+    assert (stats.model, stats.continued_requests, stats.answer_tokens) == ("continuation", 1, 5)
+    (segment,) = load_mooncake([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])])
+    assert ideal_reuse(segment.requests, 16) == {"mc0": 0, "mc1": 704}  # 705 shared, floored to 16
+
+
+def test_blocks_model_gives_the_second_turn_its_own_block():
+    block = BlockTokens(512)
+    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])], model="blocks")
+    assert second == list(block(1)) + list(block(3)[:248])
+    assert (stats.model, stats.continued_requests, stats.answer_tokens) == ("blocks", 0, 0)
+
+
+def test_answer_left_out_where_the_next_input_cannot_hold_it():
+    block = BlockTokens(512)
+    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 703, 3, [1, 3])])
+    assert second == first + list(block(3)[700 - 512 : 703 - 512])
+    assert (stats.continued_requests, stats.answer_tokens) == (1, 0)
+
+
+def test_only_the_latest_deepest_sharer_ending_in_a_partial_block_is_continued():
+    lines = [
+        _line(0, 1024, 2, [1, 2]),  # mc0 ends on a full block: nothing continues it
+        _line(1, 1100, 2, [1, 2, 3]),  # mc1: blocks reading
+        _line(2, 700, 2, [5, 6]),  # mc2: one full block + 188
+        _line(3, 1000, 2, [5, 7]),  # mc3 continues mc2 (shares its one full block)
+        _line(4, 1300, 2, [5, 8, 9]),  # mc4: the latest on block [5] is mc3, not mc2: continues mc3
+    ]
+    prompts, stats = _prompts(lines)
+    block = BlockTokens(512)
+    assert prompts[1] == list(block(1)) + list(block(2)) + list(block(3)[:76])
+    assert prompts[3][:702] == prompts[2] + [SAMPLED_TOKEN] * 2
+    assert prompts[4][:1002] == prompts[3] + [SAMPLED_TOKEN] * 2
+    assert (stats.continued_requests, stats.answer_tokens) == (2, 4)
+
+
+def test_a_continued_block_is_the_block_every_later_request_on_that_path_gets():
+    """Equal leading hash ids mean equal leading tokens in both models."""
+    prompts, _ = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3]), _line(20, 1100, 1, [1, 3, 4])])
+    first, second, third = prompts
+    assert third[:760] == second
+    assert third[760:1024] == list(BlockTokens(512)(3)[760 - 512 :])  # the rest of id 3's block

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = {"0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"}
+# The stock wheels scripts/test builds an environment for (one pins file each).
+WHEELS = {p.name.removeprefix("vllm-").removesuffix(".txt") for p in (ROOT / "scripts" / "pins").glob("vllm-[0-9]*.txt")}
 
 
 def _load(name: str, path: Path):

@@ -16,8 +16,9 @@ import hybrid_kv_plugin
 from hybrid_kv_plugin import registration
 from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.nixl import ExchangeClip, GroupRule, SsmSlotPairingError, pair_ssm_slots
-from hybrid_kv_plugin.sim.nixl_pair import NixlPair, decode_worker, mamba_cache_modes, worker_pairs
 from hybrid_kv_plugin.patches import patch_specs
+
+from scenarios.nixl_pair import NixlPair, decode_worker, mamba_cache_modes, worker_pairs
 
 N = None  # the pool's null block in a decode-side table
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_kv_plugin.sim.nixl_pair import NUM_BLOCKS, NixlPair, decode_worker, mamba_cache_modes, worker_pairs
+from scenarios.nixl_pair import NUM_BLOCKS, NixlPair, decode_worker, mamba_cache_modes, worker_pairs
 
 N = None
 PAGE_BYTES = 256

@@ -15,12 +15,12 @@ import pytest
 import hybrid_kv_plugin
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry
-from hybrid_kv_plugin.sim.output_checkpoint_scenarios import TurnMeasurement, turn_engine, two_turns
 from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 from hybrid_kv_plugin.sim.workload import default_workload, load_trace
 
 from helpers import tokens
+from scenarios.output_checkpoint import TurnMeasurement, turn_engine, two_turns
 
 PROMPT, OUTPUT = 320, 40
 NEW_WHEELS = ("0.32.0", "0.33.0")

@@ -17,10 +17,11 @@ import zipfile
 import pytest
 
 import hybrid_kv_plugin
+from hybrid_kv_plugin.adapters import ADAPTERS
 
 ROOT = pathlib.Path(__file__).parents[1]
 VERSION = hybrid_kv_plugin.__version__
-SOURCES = ("pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md",
            "src", "examples", "scripts", ".ci")
 
 
@@ -71,7 +72,10 @@ def test_wheel_never_requires_vllm_and_states_its_license(built):
     requires = [line.removeprefix("Requires-Dist: ") for line in metadata if line.startswith("Requires-Dist: ")]
     unconditional = [r for r in requires if "extra ==" not in r]
     assert unconditional == ["pydantic>=2"]
-    assert 'vllm<0.34,>=0.26; extra == "vllm"' in requires
+    # setup.py reads the adapter modules' names; the range is the adapters' own families
+    first, last = ADAPTERS[0].families[0], ADAPTERS[-1].families[-1]
+    assert f'vllm<{last[0]}.{last[1] + 1},>={first[0]}.{first[1]}; extra == "vllm"' in requires
+    assert 'nixl==1.5.1; extra == "nixl"' in requires and 'import-linter; extra == "test"' in requires
     assert "License-Expression: Apache-2.0" in metadata
     assert "License-File: LICENSE" in metadata
     assert any(line.startswith("Classifier: Programming Language :: Python :: 3.11") for line in metadata)
@@ -85,13 +89,50 @@ def test_wheel_never_requires_vllm_and_states_its_license(built):
     assert "[console_scripts]\nhybrid-kv = hybrid_kv_plugin.cli.main:console_main" in entry_points
 
 
+# The moved test scaffolding (tests/scenarios/, tests/soak/): never back in the wheel.
+TEST_ONLY = ("offload_scenarios", "prompt_tail_scenarios", "output_checkpoint_scenarios", "nixl_pair", "soak",
+             "fault_invariants", "step_invariants", "scenarios", "conftest", "helpers")
+
+
+def _runtime_modules() -> set[str]:
+    """Modules of the package that vLLM or ``hybrid-kv`` can load: the entry points (the plugin, the
+    console script, the connector's class path, the adapter families that ``adapters/families.py``
+    imports by name) and everything they import, with its parent packages."""
+    import grimp
+
+    from hybrid_kv_plugin.connector_names import CONNECTOR_MODULE
+
+    graph = grimp.build_graph("hybrid_kv_plugin", cache_dir=None)
+    todo = ["hybrid_kv_plugin", "hybrid_kv_plugin.cli.main", CONNECTOR_MODULE, *(cls.__module__ for cls in ADAPTERS)]
+    reached: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module and module not in reached:
+            reached.add(module)
+            todo += [*graph.find_modules_directly_imported_by(module), module.rpartition(".")[0]]
+    return reached
+
+
+def test_wheel_holds_no_module_that_only_tests_import(built):
+    _, _, wheel = built
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    modules = {name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+               for name in names if name.endswith(".py")}
+    assert "hybrid_kv_plugin.sim.replay" in modules and "hybrid_kv_plugin.sim.invariants" in modules
+    assert not {m for m in modules if set(m.split(".")) & set(TEST_ONLY)}
+    assert all(m.startswith("hybrid_kv_plugin.") or m == "hybrid_kv_plugin" for m in modules), sorted(modules)
+    # Nothing else either: a module no entry point reaches is one only tests import.
+    assert modules - _runtime_modules() == set()
+
+
 def test_sdist_carries_examples_scripts_and_license(built):
     _, sdist, _ = built
     prefix = f"hybrid_kv_plugin-{VERSION}/"
     with tarfile.open(sdist) as archive:
         names = {name.removeprefix(prefix) for name in archive.getnames()}
     expected = {"LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md", "examples/multi_turn_cpu_offload.py", "examples/gpu_e2e.py",
-                "scripts/demo", "scripts/test", "scripts/pins/vllm-0.29.0.txt", ".ci/run",
+                "scripts/demo", "scripts/test", "scripts/versions", "scripts/pins/vllm-0.29.0.txt", ".ci/run", "setup.py",
                 "src/hybrid_kv_plugin/ARCHITECTURE.md"}
     assert expected <= names, sorted(expected - names)
 

@@ -31,6 +31,8 @@ REMOVAL_NOTES = {
     "prompt_tail_retention": "not yet (present up to 0.33.0)",
     "prompt_tail_attention": "not yet (present up to 0.33.0)",
     "output_checkpoint_bind": "not yet (present up to 0.33.0)",
+    "divergence_bind": "not yet (present up to 0.33.0)",
+    "divergence_attention_keys": "not yet (present up to 0.33.0)",
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
     "output_checkpoint_offload": "not yet (present up to 0.33.0)",
     "finish_store_pinning": "not yet (present up to 0.33.0)",
@@ -99,26 +101,27 @@ PLANNED_BY_WHEEL = {
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",
-        "prompt_tail_manager", "prompt_tail_attention", "output_checkpoint_bind", "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
+        "prompt_tail_manager", "prompt_tail_attention", "divergence_attention_keys", "output_checkpoint_bind",
+        "divergence_bind", "output_checkpoint_manager", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.30.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "output_checkpoint_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "output_checkpoint_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "output_checkpoint_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "same_step_copy_chains",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "output_checkpoint_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "same_step_copy_chains",
     ],
 }

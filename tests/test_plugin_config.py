@@ -33,7 +33,7 @@ def test_switch_from_additional_config_and_env_override():
     [
         (
             {"mamba_shared_prefix_chekpoint": True},
-            "hybrid_kv.mamba_shared_prefix_chekpoint: unknown key (allowed keys: async_load_liveness, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)",
+            "hybrid_kv.mamba_shared_prefix_chekpoint: unknown key (allowed keys: async_load_liveness, mamba_divergence_checkpoint, mamba_output_checkpoint, mamba_shared_prefix_checkpoint, prompt_tail_checkpoint)",
         ),
         (
             {"mamba_shared_prefix_checkpoint": "yes"},

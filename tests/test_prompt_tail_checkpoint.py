@@ -13,10 +13,10 @@ import pytest
 
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-from hybrid_kv_plugin.sim.prompt_tail_scenarios import CONTINUED, EXACT, cold_replay, gpu_replay, tail_engine
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 
 from helpers import tokens
+from scenarios.prompt_tail import CONTINUED, EXACT, cold_replay, gpu_replay, tail_engine
 
 PROMPTS = (320, 336, 368, 496)
 MAMBA64 = HybridGeometry()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_kv_plugin.sim.soak import DRAIN_LIMIT, soak, variants
+from soak.harness import DRAIN_LIMIT, soak, variants
 
 
 def _variant(adapter, name):

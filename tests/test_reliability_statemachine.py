@@ -1,6 +1,6 @@
 """Stateful randomized runs: the real scheduler + SimpleCPU connector under injected faults.
 
-A hypothesis ``RuleBasedStateMachine`` drives :class:`~hybrid_kv_plugin.sim.soak.FaultHarness`
+A hypothesis ``RuleBasedStateMachine`` drives :class:`~soak.harness.FaultHarness`
 (the installed wheel's real ``Scheduler``, ``KVCacheManager`` and connector, through
 ``SimEngine``): requests from shared-prefix families arrive and run chunked prefill
 and decode on a small GPU pool (preemption) with a small CPU pool (full CPU tier);
@@ -36,7 +36,8 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim.engine import default_scheduling
-from hybrid_kv_plugin.sim.soak import (
+
+from soak.harness import (
     FAMILIES,
     MAX_LIVE_REQUESTS,
     MAX_OUTPUT_TOKENS,

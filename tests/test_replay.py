@@ -264,7 +264,7 @@ def _report(version: str, efficiency: float, refused: bool = False) -> dict:
 
 
 def test_compare_renders_saved_reports_side_by_side(tmp_path):
-    from hybrid_kv_plugin.cli.replay import render_comparison
+    from hybrid_kv_plugin.cli.compare import render_comparison
 
     paths = []
     for version, refused in (("0.28.0", True), ("0.33.0", False)):
@@ -287,7 +287,7 @@ def test_compare_renders_saved_reports_side_by_side(tmp_path):
 
 
 def test_progress_bar_draws_only_on_a_terminal():
-    from hybrid_kv_plugin.cli.replay import Progress
+    from hybrid_kv_plugin.cli.progress import Progress
 
     now = iter([0.0, 10.0, 30.0])
     stream = io.StringIO()
@@ -307,15 +307,17 @@ def test_progress_bar_draws_only_on_a_terminal():
 
 
 def test_progress_lines_every_tenth_when_not_a_terminal():
-    from hybrid_kv_plugin.cli.replay import Progress
+    from hybrid_kv_plugin.cli.progress import Progress
 
-    now = iter([0.0, 4.0, 20.0])
+    now = iter([0.0, 4.0, 20.0, 20.0])
     log = io.StringIO()
     progress = Progress(40, stream=log, lines=True, clock=lambda: next(now))
     progress.start("stock")
     progress.update(3)  # under 10 %: nothing yet
-    progress.update(10)  # crosses 10 % and 20 %
+    progress.update(10)  # crosses 10 % and 20 %: one line
+    progress.start("plugin [2/2]", 1)  # a run of its own: "1/1" for a one-request run
+    progress.update(1)
     assert log.getvalue().splitlines() == [
-        "stock: 10/40 requests (10%), 4s elapsed, ETA 12s",
-        "stock: 10/40 requests (20%), 20s elapsed, ETA 60s",
+        "stock: 10/40 requests (20%), 4s elapsed, ETA 12s",
+        "plugin [2/2]: 1/1 requests (100%), 0s elapsed, ETA 0s",
     ]

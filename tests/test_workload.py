@@ -130,6 +130,11 @@ def test_trace_forms_and_segments():
         ),
         ([{"tokens": [1], "max_tokens": 0}], "trace line 1: max_tokens must be >= 1"),
         ([[1, 2]], "trace line 1: each line must be a JSON object"),
+        (
+            [{"tokens": [1]}, {"tokens": [2], "max_token": 4}],
+            "trace line 2: unknown key(s) 'max_token' (allowed: continues, eagle, evict_gpu_before, id, max_tokens, "
+            "prefix_id, prefix_len, segment, suffix_len, tokens, wave)",
+        ),
     ],
 )
 def test_trace_errors_name_the_line(items, message):

@@ -59,6 +59,14 @@ class PluginConfig(BaseModel):
         "mode, vLLM 0.29+), so a conversation's next turn reuses the previous answer; at most one extra "
         "Mamba block per running request. See hybrid_kv_plugin.output_checkpoint.",
     )
+    mamba_divergence_checkpoint: bool = Field(
+        default=False,
+        description="Without EAGLE: attention blocks are keyed at every prefix-match unit, and when a "
+        "request's prefix lookup finds attention KV past the deepest Mamba state it can load, its prefill "
+        "ends a chunk there and keeps the Mamba state, so the next request sharing that prefix resumes "
+        "there (align mode, partial hash hits; at most one extra chunk and Mamba block per divergence). "
+        "See hybrid_kv_plugin.divergence.",
+    )
 
 
 class ConnectorOptions(BaseModel):
@@ -168,23 +176,42 @@ def check_switch_needs_eagle(
     )
 
 
-def check_prompt_tail_supported(value: str, supported: bool, vllm_version: str) -> None:
-    """A non-native ``prompt_tail_checkpoint`` on a wheel without the Mamba partial-tail machinery stops start-up."""
+def check_prompt_tail_supported(value: str, supported: bool, vllm_version: str, first_wheel: str) -> None:
+    """A non-native ``prompt_tail_checkpoint`` on a wheel without the Mamba partial-tail machinery stops start-up.
+
+    ``first_wheel``: the first tested wheel that supports it (the adapter layer says which).
+    """
     if value == "native" or supported:
         return
     raise PluginConfigError(
         f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.prompt_tail_checkpoint: {value!r} "
-        f"needs vLLM >= 0.29.0 and this is vLLM {vllm_version} (allowed here: native)"
+        f"needs vLLM >= {first_wheel} and this is vLLM {vllm_version} (allowed here: native)"
     )
 
 
-def check_output_checkpoint_supported(value: bool, supported: bool, vllm_version: str) -> None:
-    """``mamba_output_checkpoint`` on a wheel whose Mamba manager cannot keep a running request's state stops start-up."""
+def check_output_checkpoint_supported(value: bool, supported: bool, vllm_version: str, first_wheel: str) -> None:
+    """``mamba_output_checkpoint`` on a wheel whose Mamba manager cannot keep a running request's state stops start-up.
+
+    ``first_wheel``: as for :func:`check_prompt_tail_supported`.
+    """
     if not value or supported:
         return
     raise PluginConfigError(
         f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.mamba_output_checkpoint: true "
-        f"needs vLLM >= 0.29.0 and this is vLLM {vllm_version} (allowed here: false)"
+        f"needs vLLM >= {first_wheel} and this is vLLM {vllm_version} (allowed here: false)"
+    )
+
+
+def check_divergence_supported(value: bool, supported: bool, vllm_version: str, first_wheel: str) -> None:
+    """``mamba_divergence_checkpoint`` on a wheel that cannot keep a state at the divergence point stops start-up.
+
+    ``first_wheel``: the first tested wheel that supports it (the adapter layer says which).
+    """
+    if not value or supported:
+        return
+    raise PluginConfigError(
+        f"invalid hybrid-kv-plugin configuration: {ADDITIONAL_CONFIG_KEY}.mamba_divergence_checkpoint: true "
+        f"needs vLLM >= {first_wheel} and this is vLLM {vllm_version} (allowed here: false)"
     )
 
 

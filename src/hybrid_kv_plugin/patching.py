@@ -16,6 +16,7 @@ it (``PatchSpec.inert_for``), so an engine pays nothing per step for them.
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
@@ -236,6 +237,17 @@ class PatchSet:
                 setattr(applied.owner, applied.attr, applied.original)
             else:
                 delattr(applied.owner, applied.attr)
+
+
+def then_call(original: Callable[..., Any], after: Callable[[Any], None]) -> Callable[..., Any]:
+    """``original`` (a constructor), then ``after(self)`` on the built object: how a feature binds to a scheduler."""
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        after(self)
+
+    return wrapper
 
 
 def is_patched(obj: Any) -> bool:

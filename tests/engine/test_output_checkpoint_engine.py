@@ -141,7 +141,7 @@ def simulated(runs, enabled: bool) -> dict[tuple[int, str], tuple[int, int]]:
     """(num_cached_tokens, external hits) of turn 2 per case, by the simulator (the same sequence per
     case, vLLM's real scheduler, retention 0; needs the plugin registered in this process)."""
     from hybrid_kv_plugin.sim import HybridGeometry
-    from hybrid_kv_plugin.sim.output_checkpoint_scenarios import two_turns
+    from scenarios.output_checkpoint import two_turns
 
     geometry = HybridGeometry(
         attention_block_size=ENGINE_GEOMETRY.attention_block_size,

@@ -1,6 +1,7 @@
 """The versioned adapter layer: pick one adapter for the installed vLLM, or say why none fits.
 
-Version numbers are compared here and nowhere else.
+Version numbers are compared here and nowhere else. The families are the ``vllm_<major>_<minor>``
+modules of this package (:mod:`.families` finds them); nothing else lists them.
 """
 
 from __future__ import annotations
@@ -10,25 +11,7 @@ from dataclasses import dataclass
 from hybrid_kv_plugin.adapters.base import VllmAdapter
 from hybrid_kv_plugin.adapters.capabilities import Feature, FeatureVerdict, Support
 from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE, InstalledVllm, installed_vllm, parse_release, probe_family
-from hybrid_kv_plugin.adapters.vllm_0_26 import Vllm026Adapter
-from hybrid_kv_plugin.adapters.vllm_0_27 import Vllm027Adapter
-from hybrid_kv_plugin.adapters.vllm_0_28 import Vllm028Adapter
-from hybrid_kv_plugin.adapters.vllm_0_29 import Vllm029Adapter
-from hybrid_kv_plugin.adapters.vllm_0_30 import Vllm030Adapter
-from hybrid_kv_plugin.adapters.vllm_0_31 import Vllm031Adapter
-from hybrid_kv_plugin.adapters.vllm_0_32 import Vllm032Adapter
-from hybrid_kv_plugin.adapters.vllm_0_33 import Vllm033Adapter
-
-ADAPTERS: tuple[type[VllmAdapter], ...] = (
-    Vllm026Adapter,
-    Vllm027Adapter,
-    Vllm028Adapter,
-    Vllm029Adapter,
-    Vllm030Adapter,
-    Vllm031Adapter,
-    Vllm032Adapter,
-    Vllm033Adapter,
-)
+from hybrid_kv_plugin.adapters.families import ADAPTERS, first_wheel_where
 
 
 @dataclass(frozen=True)
@@ -72,6 +55,7 @@ __all__ = [
     "Support",
     "VllmAdapter",
     "adapter_for_family",
+    "first_wheel_where",
     "parse_release",
     "select_adapter",
 ]

@@ -20,6 +20,14 @@ class VllmAdapter:
     families: ClassVar[tuple[tuple[int, int], ...]] = ()
     tested_wheels: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def probe(cls) -> bool:
+        """Whether an installed vLLM whose version string says nothing has what this family introduced.
+
+        Each family defines its own (``adapters.probes`` helpers); ``detect.probe_family`` asks the
+        newest family first, so a probe need not exclude newer families."""
+        return False
+
     # --- facts about the wheel (override in the family that changed them) ---
     # KVCacheTensor layout: "shared_by" (<=0.28) or "layers" (0.29+).
     kv_cache_tensor_style: ClassVar[str] = "shared_by"
@@ -38,8 +46,15 @@ class VllmAdapter:
     kv_cache_config_carries_hash_sizes: ClassVar[bool] = False
     # The native CacheConfig field of the junction checkpoint, if the wheel has one.
     native_junction_flag: ClassVar[str | None] = None
-    # Junction checkpoint. The Scheduler attribute holding the native gate (0.30+).
+    # Junction checkpoint. The Scheduler attribute holding the native gate (0.30+); the
+    # KVCacheManager holds it under the same name.
     native_junction_scheduler_attr: ClassVar[str | None] = None
+    # The MambaManager attribute the KVCacheManager sets when the native gate opens (0.30+).
+    native_junction_manager_attr: ClassVar[str | None] = None
+    # mamba_divergence_checkpoint (hybrid_kv_plugin.divergence): the junction checkpoint's stop and
+    # kept state without the EAGLE gate. Built on the 0.29 junction backport or the native gate
+    # (0.30+), and on the wheel's own Mamba boundary hand-offs to reach the CPU tier (0.29+).
+    divergence_checkpoint_supported: ClassVar[bool] = False
     # The Scheduler's EAGLE block-drop bit (0.30 split it from ``use_eagle``).
     scheduler_eagle_drop_attr: ClassVar[str] = "use_eagle"
     # Exactly the ``self.`` attributes the stock Scheduler._mamba_block_aligned_split reads.

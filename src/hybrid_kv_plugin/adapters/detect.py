@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_RANGE = ">=0.26.0,<0.34.0"
-MIN_SUPPORTED = (0, 26)
-MAX_SUPPORTED = (0, 33)
+from hybrid_kv_plugin.adapters.families import ADAPTERS, supported_range
+
+# The adapters' families, oldest to newest (+1 minor): one source, adapters/families.py.
+SUPPORTED_RANGE = supported_range()
 
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -95,36 +96,15 @@ def read_version_file(package_dir: Path) -> str:
 def probe_family() -> tuple[int, int] | None:
     """Identify a build with no usable version number by the features it has.
 
-    Each probe is a fact listed in the adapter that owns that family; the
-    newest matching family wins.
+    Each family's ``probe()`` (in its own adapter module) tests what that family
+    introduced; the newest family whose probe matches wins. A family that defines no
+    probe of its own (it would inherit its parent's) is never chosen this way.
     """
-    import dataclasses
-    import inspect
-
     try:
-        from vllm.config import CacheConfig, VllmConfig
-        from vllm.distributed.kv_transfer.kv_connector import utils as connector_utils
-        from vllm.v1.core import kv_cache_coordinator
+        import vllm.config  # noqa: F401  (no probe can answer for a vLLM whose config does not import)
     except Exception:
         return None
-    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
-    if "enable_mamba_shared_prefix_checkpoint" in cache_fields:
-        if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
-            return (0, 33)
-        return (0, 32) if hasattr(connector_utils, "clip_ssm_state_blocks") else (0, 31)
-    if "enable_mamba_fine_grained_prefix_cache" in cache_fields:
-        return (0, 30)
-    try:
-        from vllm.v1.core.sched.output import KVConnectorBlockState  # noqa: F401
-    except Exception:
-        pass
-    else:
-        return (0, 29)
-    coordinator_params = inspect.signature(kv_cache_coordinator.get_kv_cache_coordinator).parameters
-    if "num_prefill_lookahead" in coordinator_params:
-        return (0, 28)
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler
-    except Exception:
-        return (0, 26)
-    return (0, 27) if hasattr(base_scheduler.NixlBaseConnectorScheduler, "get_exchange_clipped_blocks") else (0, 26)
+    for cls in reversed(ADAPTERS):
+        if "probe" in vars(cls) and cls.probe():
+            return cls.families[-1]
+    return None

@@ -33,6 +33,11 @@ class Vllm026Adapter(VllmAdapter):
             return False
         return super().installs_backport(feature)
 
+    @classmethod
+    def probe(cls) -> bool:
+        # The oldest family: a vLLM that none of the newer families' probes matched.
+        return True
+
 
 def _nixl_scheduler_clips_ssm() -> bool:
     """Capability probe: a 0.26.x build that already carries vLLM 0.27's SSM-aware clip needs no backport."""

@@ -1,6 +1,6 @@
 """vLLM 0.27.x: the NIXL scheduler clips SSM exchange lists natively (Mamba state-slot pairing)."""
 
-from hybrid_kv_plugin.adapters.vllm_0_26 import Vllm026Adapter
+from hybrid_kv_plugin.adapters.vllm_0_26 import Vllm026Adapter, _nixl_scheduler_clips_ssm
 
 
 class Vllm027Adapter(Vllm026Adapter):
@@ -19,3 +19,6 @@ class Vllm027Adapter(Vllm026Adapter):
     # pinned by the KV-cache manager until the request's blocks are freed.
     kv_cache_manager_pins_partial_tails = True
 
+    @classmethod
+    def probe(cls) -> bool:
+        return _nixl_scheduler_clips_ssm()

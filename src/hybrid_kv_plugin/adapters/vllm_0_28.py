@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from hybrid_kv_plugin.adapters.probes import parameters
 from hybrid_kv_plugin.adapters.vllm_0_27 import Vllm027Adapter
 
 
@@ -26,3 +27,7 @@ class Vllm028Adapter(Vllm027Adapter):
 
     def coordinator_reprefillable_tokens(self, coordinator: Any) -> int:
         return coordinator.num_reprefillable_tokens
+
+    @classmethod
+    def probe(cls) -> bool:
+        return "num_prefill_lookahead" in parameters("vllm.v1.core.kv_cache_coordinator", "get_kv_cache_coordinator")

@@ -1,6 +1,7 @@
 """vLLM 0.29.x: MambaManager publishes boundary handoffs; KVCacheTensor uses the ``layers`` layout."""
 
 from hybrid_kv_plugin.adapters.capabilities import Feature
+from hybrid_kv_plugin.adapters.probes import has
 from hybrid_kv_plugin.adapters.vllm_0_28 import Vllm028Adapter
 
 
@@ -29,3 +30,10 @@ class Vllm029Adapter(Vllm028Adapter):
     # manager moves a running request's partial key to a copy-on-write block before the next
     # forward pass, so the answer's last unit state can be kept from the scheduler side.
     output_checkpoint_supported = True
+    # mamba_divergence_checkpoint: the junction backport's plan opens without EAGLE, and the kept
+    # state reaches a connector through the wheel's boundary hand-offs.
+    divergence_checkpoint_supported = True
+
+    @classmethod
+    def probe(cls) -> bool:
+        return has("vllm.v1.core.sched.output", "KVConnectorBlockState")

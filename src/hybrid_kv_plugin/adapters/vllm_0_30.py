@@ -3,6 +3,7 @@
 from typing import Any
 
 from hybrid_kv_plugin.adapters.capabilities import Feature
+from hybrid_kv_plugin.adapters.probes import cache_config_fields
 from hybrid_kv_plugin.adapters.vllm_0_29 import Vllm029Adapter
 
 
@@ -19,6 +20,7 @@ class Vllm030Adapter(Vllm029Adapter):
     kv_load_failure_by_request = True
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
     native_junction_scheduler_attr = "mamba_fine_grained_prefix_cache"
+    native_junction_manager_attr = "fine_grained_prefix_cache"
     scheduler_eagle_drop_attr = "use_eagle_block_drop"
     # The Mamba manager's prompt tail sits one unit lower under EAGLE block drop, switch or not.
     native_prompt_tail_eagle_shift = True
@@ -35,3 +37,7 @@ class Vllm030Adapter(Vllm029Adapter):
     def mamba_exports_checkpoint(self, manager: Any, request_id: str) -> bool:
         # MambaManager._checkpoints: the reserved slot of a backend-exported checkpoint.
         return request_id in manager._checkpoints
+
+    @classmethod
+    def probe(cls) -> bool:
+        return "enable_mamba_fine_grained_prefix_cache" in cache_config_fields()

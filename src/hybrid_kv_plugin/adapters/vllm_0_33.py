@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hybrid_kv_plugin.adapters.probes import has
+from hybrid_kv_plugin.adapters.vllm_0_31 import Vllm031Adapter
 from hybrid_kv_plugin.adapters.vllm_0_32 import Vllm032Adapter
 
 
@@ -14,3 +16,7 @@ class Vllm033Adapter(Vllm032Adapter):
     kv_cache_config_carries_hash_sizes = True
     simplecpu_stock_keys = Vllm032Adapter.simplecpu_stock_keys | {"num_cpu_blocks"}
     simplecpu_block_count_gated_by_name = True
+
+    @classmethod
+    def probe(cls) -> bool:
+        return Vllm031Adapter.probe() and has("vllm.config", "VllmConfig.num_hash_lookahead_tokens")

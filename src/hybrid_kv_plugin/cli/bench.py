@@ -9,7 +9,7 @@ from typing import TextIO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybrid_kv_plugin.cli.replay import CONFIG_NAMES, add_geometry_arguments
+    from hybrid_kv_plugin.cli.args import CONFIG_NAMES, add_geometry_arguments
 
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (ABBA-interleaved)")
     parser.add_argument("--requests", type=int, default=2000, help="size of the large case (0: default case only)")
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from hybrid_kv_plugin.cli.replay import Progress, choose_configs, settings_from
+    from hybrid_kv_plugin.cli.args import choose_configs, settings_from
+    from hybrid_kv_plugin.cli.progress import Progress
     from hybrid_kv_plugin.sim.bench import BenchCase, run_bench
     from hybrid_kv_plugin.sim.workload import default_workload, with_eagle, workload_of_size
 

@@ -72,7 +72,11 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """Every parser is a :class:`~hybrid_kv_plugin.cli.args.OneLineParser` (subparsers take the
+    parent's class): no abbreviations, a bad argument is one line on stderr and exit 2."""
+    from hybrid_kv_plugin.cli.args import OneLineParser
+
+    parser = OneLineParser(
         prog="hybrid-kv", description=DESCRIPTION, epilog=EXIT_CODES, formatter_class=HelpFormatter
     )
     parser.add_argument(

@@ -1,5 +1,7 @@
 """What ``hybrid-kv replay`` reads before anything runs: the trace (either format), the
-model geometry (``--model DIR`` or a serve line after ``--``), and their checks.
+model geometry (``--model DIR`` or a serve line after ``--``), and their checks: the serve
+line as ``doctor`` checks it, the requests vLLM would refuse, pools cut to what the trace
+can take, and the next step when the prefix-match unit leaves the plugin nothing to do.
 
 Every bad input ends as ``SystemExit("hybrid-kv: ...")`` (one line, exit 2 via
 :func:`fail`); the checks that need no vLLM run before vLLM is imported.
@@ -12,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from hybrid_kv_plugin.sim.model_geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
+from hybrid_kv_plugin.models.geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
 
 
 class InputError(Exception):
@@ -34,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-ms", type=float, default=None, metavar="MS",
         help="Mooncake traces: assumed duration of one scheduler step; a request arrives at step "
         "timestamp / MS (default 50)",
+    )
+    g.add_argument(
+        "--conversation-model", choices=("continuation", "blocks"), default=None,
+        help="Mooncake traces: continuation (default) reads a request that extends all full blocks of an "
+        "earlier one ending in a partial block as that chat's next turn (earlier prompt + its answer + new "
+        "tokens); blocks gives every hash id its own tokens, so chats diverge at a block boundary",
     )
     g.add_argument(
         "--model", metavar="DIR",
@@ -68,8 +76,9 @@ def check_flags(args: argparse.Namespace) -> None:
             fail(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.model and serve_line(args):
         fail("give the model either as --model DIR or in the serve line after --, not both")
-    if (args.limit is not None or args.trace_block_tokens is not None or args.step_ms is not None) and not args.trace:
-        fail("--limit, --trace-block-tokens and --step-ms apply to --trace")
+    mooncake_only = (args.trace_block_tokens, args.step_ms, args.conversation_model)
+    if (args.limit is not None or any(v is not None for v in mooncake_only)) and not args.trace:
+        fail("--limit, --trace-block-tokens, --step-ms and --conversation-model apply to --trace")
 
 
 def serve_line(args: argparse.Namespace) -> list[str]:
@@ -80,6 +89,7 @@ def load_trace_file(args: argparse.Namespace) -> list[Any]:
     """The segments of ``--trace``, its format told by its first line's keys."""
     from hybrid_kv_plugin.sim.mooncake import (
         DEFAULT_BLOCK_TOKENS,
+        DEFAULT_CONVERSATION_MODEL,
         DEFAULT_STEP_MS,
         TraceFormatError,
         is_mooncake_line,
@@ -104,9 +114,13 @@ def load_trace_file(args: argparse.Namespace) -> list[Any]:
                     step_ms=args.step_ms or DEFAULT_STEP_MS,
                     limit=args.limit,
                     first_line=first,
+                    conversation_model=args.conversation_model or DEFAULT_CONVERSATION_MODEL,
                 )
-            if args.trace_block_tokens is not None or args.step_ms is not None:
-                fail("--trace-block-tokens and --step-ms apply to Mooncake traces; this one is in the project's format")
+            if any(v is not None for v in (args.trace_block_tokens, args.step_ms, args.conversation_model)):
+                fail(
+                    "--trace-block-tokens, --step-ms and --conversation-model apply to Mooncake traces; "
+                    "this one is in the project's format"
+                )
             handle.seek(0)
             lines = list(handle)
     except OSError as exc:
@@ -144,7 +158,7 @@ def _first_requests(lines: list[str], limit: int) -> list[str]:
 
 def resolve_model(args: argparse.Namespace) -> Any:
     """The :class:`ModelGeometry` of ``--model`` / the serve line, or None when neither is given."""
-    from hybrid_kv_plugin.sim.model_geometry import GeometryError, ServeLine, parse_serve_line, resolve
+    from hybrid_kv_plugin.models.geometry import GeometryError, ServeLine, parse_serve_line, resolve
 
     line = serve_line(args)
     if not args.model and not line:
@@ -160,13 +174,124 @@ def resolve_model(args: argparse.Namespace) -> Any:
         fail(str(exc))
 
 
-def check_lengths(segments: Sequence[Any], max_model_len: int) -> None:
-    """A prompt must leave room for at least its first output token (vLLM's own rule)."""
+# The shipped tiny model's max_position_embeddings: the ceiling without a model.
+DEFAULT_MAX_MODEL_LEN = 262144
+# Why vLLM's server answers a request with an error instead of serving it (the report's keys).
+REFUSALS = ("prompt_too_long", "prompt_plus_output_too_long")
+
+
+def refuse_too_long(segments: Sequence[Any], max_model_len: int, strict: bool = False) -> tuple[list[Any], dict[str, int]]:
+    """The segments without the requests vLLM would refuse, and how many per reason.
+
+    vLLM's rule: a prompt must leave room for its first output token, and prompt + the output
+    the trace asks for must fit the model. ``strict``: the first such request stops the replay.
+    """
+    from dataclasses import replace
+
+    refused = {reason: 0 for reason in REFUSALS}
+    kept_segments = []
     for segment in segments:
+        kept = []
         for request in segment.requests:
             prompt = len(request.prompt_token_ids)
             if prompt >= max_model_len:
-                fail(
-                    f"request {request.request_id}: prompt of {prompt} tokens does not fit the model's "
-                    f"max model length {max_model_len}"
+                reason = "prompt_too_long"
+                message = f"prompt of {prompt} tokens does not fit the model's max model length {max_model_len}"
+            elif prompt + request.max_tokens > max_model_len:
+                reason = "prompt_plus_output_too_long"
+                message = (
+                    f"prompt of {prompt} tokens + {request.max_tokens} output tokens exceed the model's max model "
+                    f"length {max_model_len}"
                 )
+            else:
+                kept.append(request)
+                continue
+            if strict:
+                fail(f"request {request.request_id}: {message} (without --strict it is counted as refused)")
+            refused[reason] += 1
+        if kept:
+            kept_segments.append(replace(segment, requests=tuple(kept)))
+    counts = {reason: n for reason, n in refused.items() if n}
+    if not kept_segments:
+        fail(f"every request is refused by vLLM ({'; '.join(f'{k}: {n}' for k, n in counts.items())}): nothing to replay")
+    return kept_segments, counts
+
+
+def check_serve_line(args: argparse.Namespace) -> None:
+    """The serve line after ``--`` as vLLM and the plugin would check it at start-up (the checks
+    and messages of ``hybrid-kv doctor``): an invalid one stops the replay in one line."""
+    line = serve_line(args)
+    if not line:
+        return
+    from hybrid_kv_plugin.cli.serve_args import check_serve_args
+    from hybrid_kv_plugin.registration import current_adapter
+
+    errors = check_serve_args(line, current_adapter()).errors
+    if errors:
+        fail(f"invalid vllm serve line: {'; '.join(errors)}")
+
+
+def cap_pools(settings: Any, model: Any, segments: Sequence[Any]) -> tuple[Any, list[str]]:
+    """The resolved pools cut to what the trace can take (the same result, see
+    :mod:`hybrid_kv_plugin.sim.pool_bound`), and a note per pool cut; a pool past
+    ``ABSURD_BLOCKS`` gets a warning (a toy geometry at a server's memory)."""
+    from dataclasses import replace
+
+    from hybrid_kv_plugin.sim.pool_bound import ABSURD_BLOCKS, blocks_a_workload_can_take
+
+    bound = blocks_a_workload_can_take(
+        segments,
+        attention_block_size=settings.attention_block_size,
+        mamba_block_size=settings.mamba_block_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        num_speculative_tokens=settings.num_speculative_tokens,
+    )
+    notes = []
+    changes = {}
+    for field, name, gib in (("gpu_blocks", "GPU", model.gpu_kv_bytes / GIB), ("cpu_blocks", "CPU", model.cpu_bytes / GIB)):
+        resolved = getattr(settings, field)
+        if resolved <= bound:
+            continue
+        changes[field] = bound
+        note = (
+            f"{name} pool of {resolved} blocks ({gib:g} GiB) replayed as {bound}, all this trace can take "
+            "(no block is evicted either way: the result is the same)"
+        )
+        if resolved > ABSURD_BLOCKS:
+            note = (
+                f"warning: this geometry makes {resolved} {name} blocks of {model.block_bytes} bytes at {gib:g} GiB "
+                f"(a toy model at a server's memory?); replayed as {bound}, all this trace can take, with the same "
+                f"result; {'--gpu-kv-gib' if field == 'gpu_blocks' else '--cpu-gib'} sets the memory"
+            )
+        notes.append(note)
+    return replace(settings, **changes), notes
+
+
+def next_steps(settings: Any, model: Any, args: argparse.Namespace) -> list[str]:
+    """What an operator can do next; today: a finer unit where the unit equals the Mamba block
+    (named as ``doctor`` names it: :func:`hybrid_kv_plugin.models.unit_advice.finer_unit`)."""
+    unit, block = settings.hash_block_size, settings.mamba_block_size
+    if unit < block or settings.mamba_cache_mode != "align":
+        return []
+    advice = _finer_unit(model, args) if model is not None else None
+    how = (
+        f"{advice.describe()}; put it in the serve line after --"
+        if advice is not None
+        else "a finer --prefix-match-unit (one that divides both blocks; `hybrid-kv doctor -- DIR` names the finest "
+        "vLLM accepts) makes hits inside a block possible"
+    )
+    return [
+        f"the prefix-match unit equals the Mamba block ({block} tokens): every hit is whole Mamba blocks, where "
+        f"stock vLLM already keeps every state, so the plugin cannot add anything; {how}"
+    ]
+
+
+def _finer_unit(model: Any, args: argparse.Namespace) -> Any:
+    from hybrid_kv_plugin.models.geometry import GeometryError, ServeLine, parse_serve_line
+    from hybrid_kv_plugin.models.unit_advice import finer_unit
+
+    line = serve_line(args)
+    try:
+        return finer_unit(parse_serve_line(line) if line else ServeLine(model=args.model), model)
+    except GeometryError:
+        return None

@@ -16,6 +16,7 @@ from typing import Any
 
 from hybrid_kv_plugin import CONNECTOR_NAME
 from hybrid_kv_plugin.adapters import Feature
+from hybrid_kv_plugin.patches.scheduler_plugin_config import check_wheel_supports
 from hybrid_kv_plugin.config import (
     ENV_SHARED_PREFIX_CHECKPOINT,
     PluginConfigError,
@@ -47,7 +48,8 @@ class ServeVerdict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    # No abbreviations: vLLM takes none, so `--block 32` must not read as --block-size.
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--kv-transfer-config")
     p.add_argument("--additional-config")
     p.add_argument("--block-size", type=int)
@@ -102,7 +104,9 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
     method, num_spec = _speculative(spec_config, verdict)
     switch = False
     try:
-        switch = plugin_config_from(additional).mamba_shared_prefix_checkpoint
+        plugin_config = plugin_config_from(additional)
+        switch = plugin_config.mamba_shared_prefix_checkpoint
+        check_wheel_supports(plugin_config, adapter)
     except PluginConfigError as exc:
         verdict.errors.append(f"--additional-config: {exc}")
     uses_plugin_connector = bool(kv) and kv.get("kv_connector") == CONNECTOR_NAME
@@ -124,11 +128,14 @@ def check_serve_args(argv: list[str] | str, adapter: Any) -> ServeVerdict:
     block = args.block_size or 16
     mamba_block = args.mamba_block_size or block
     unit = args.prefix_match_unit or block
+    errors_before = len(verdict.errors)
     resolved = _resolved_geometry(argv, verdict, block_given=args.block_size is not None)
     if resolved is not None:
         block, mamba_block, unit = resolved.attention_block_size, resolved.mamba_block_size, resolved.hash_block_size
+    # Where vLLM refused the geometry its message is the one error: the 16-token defaults below are not its blocks.
+    geometry_refused = resolved is None and len(verdict.errors) > errors_before
     for name, size in (("--block-size", block), ("--mamba-block-size", mamba_block)):
-        if size % unit:
+        if size % unit and not geometry_refused:
             verdict.errors.append(f"--prefix-match-unit: {unit} must divide {name} {size}")
     if verdict.errors:
         return verdict
@@ -180,7 +187,7 @@ def _resolved_geometry(argv: list[str], verdict: ServeVerdict, block_given: bool
     (the same resolution as ``hybrid-kv replay``); else None, with a note saying so."""
     import os
 
-    from hybrid_kv_plugin.sim.model_geometry import GeometryError, parse_serve_line, resolve
+    from hybrid_kv_plugin.models.geometry import GeometryError, parse_serve_line, resolve
 
     try:
         serve = parse_serve_line(argv)

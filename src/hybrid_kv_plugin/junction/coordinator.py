@@ -34,8 +34,8 @@ class JunctionCoordinatorMixin:
     _stock_coordinator_cls: type
     _junction_adapter: VllmAdapter
 
-    def bind_junction(self, switch: bool) -> JunctionPlan:
-        plan = junction_plan(switch, self, self._junction_adapter)
+    def bind_junction(self, switch: bool, divergence: bool = False) -> JunctionPlan:
+        plan = junction_plan(switch, self, self._junction_adapter, divergence=divergence)
         self.junction_plan = plan
         if not plan.enabled:
             self.cache_blocks = MethodType(self._stock_coordinator_cls.cache_blocks, self)
@@ -107,7 +107,10 @@ def plan_of(scheduler: Any) -> JunctionPlan:
     else:
         if coordinator.junction_plan is None:
             config = getattr(scheduler, "hybrid_kv_config", None)
-            coordinator.bind_junction(bool(config and config.mamba_shared_prefix_checkpoint))
+            coordinator.bind_junction(
+                bool(config and config.mamba_shared_prefix_checkpoint),
+                divergence=bool(config and config.mamba_divergence_checkpoint),
+            )
         plan = coordinator.junction_plan
         assert plan is not None
     setattr(scheduler, SCHEDULER_PLAN_ATTR, plan)

@@ -36,19 +36,21 @@ class JunctionPlan:
 CLOSED = JunctionPlan(enabled=False, reason="switch off")
 
 
-def junction_plan(switch: bool, coordinator: Any, adapter: VllmAdapter) -> JunctionPlan:
+def junction_plan(switch: bool, coordinator: Any, adapter: VllmAdapter, *, divergence: bool = False) -> JunctionPlan:
     """Open only where the state cached at the junction can actually serve a sibling.
 
-    * an EAGLE group: without the draft's one-unit drop the junction already sits
-      where a block-floored stop caches it;
+    * an EAGLE group, unless ``divergence`` (``mamba_divergence_checkpoint``): without
+      the draft's one-unit drop a junction on the attention grid of a full-block hit
+      still lies inside a Mamba block, which only that option pays a chunk for;
     * partial hash hits: a sub-block state is only reachable by a hash-granular hit;
     * no multi-module MTP re-prefill tail: the coordinator then caches
       ``computed - reprefillable`` tokens, not the chunk end, so the manager would
       key the state at a position the forward pass did not stop at.
     """
-    if not switch:
+    if not switch and not divergence:
         return CLOSED
-    if not coordinator.eagle_group_ids:
+    option = "mamba_shared_prefix_checkpoint" if switch else "mamba_divergence_checkpoint"
+    if not coordinator.eagle_group_ids and not divergence:
         reason = "no EAGLE group"
     elif not coordinator.enable_partial_hash_hits:
         reason = "partial hash hits are disabled (prefix-match unit not finer than the Mamba block)"
@@ -59,7 +61,8 @@ def junction_plan(switch: bool, coordinator: Any, adapter: VllmAdapter) -> Junct
         return JunctionPlan(enabled=True, lowered_tail=any(m.use_eagle for m in managers))
     log_once(
         logging.INFO,
-        "hybrid-kv-plugin: mamba_shared_prefix_checkpoint is on but inactive here: %s",
+        "hybrid-kv-plugin: %s is on but inactive here: %s",
+        option,
         reason,
     )
     return JunctionPlan(enabled=False, reason=reason)

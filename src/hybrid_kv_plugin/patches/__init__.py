@@ -7,6 +7,9 @@ version on which the plugin no longer installs it. Each exports:
 * ``INSTALLS`` - a :class:`hybrid_kv_plugin.patching.Installs`: the predicate over
   adapter facts that decides whether a wheel gets the patch, and the tested wheels
   that gives (``since``, ``removed_in``);
+* ``FEATURE`` - the feature the patch serves (a key of
+  :data:`hybrid_kv_plugin.adapters.capabilities.FEATURES`), ``"vllm_fix"`` for a standalone
+  fix of a vLLM bug, or ``"plugin_config"``; ``hybrid-kv doctor`` groups patches by it;
 * ``spec(adapter)`` - the :class:`hybrid_kv_plugin.patching.PatchSpec`: target,
   fingerprint, replacement, and the vLLM side that runs it; or, for one patch that
   must replace several attributes at once, ``specs(adapter)`` - their list, in
@@ -26,6 +29,8 @@ from hybrid_kv_plugin.patches import (
     async_load_liveness,
     boundary_handoff_publish,
     connector_hit_reconcile,
+    divergence_attention_keys,
+    divergence_bind,
     finish_store_pinning,
     junction_coordinator,
     junction_split,
@@ -57,8 +62,9 @@ if TYPE_CHECKING:
 # Install order: the plugin's own config first (it validates the switches the others read);
 # the Mamba managers record boundary hand-offs before the scheduler publishes them.
 # Patches of one target install in this order, each wrapping the one before (0.29:
-# prompt_tail_split wraps junction_split; output_checkpoint_bind wraps scheduler_plugin_config,
-# output_checkpoint_manager wraps prompt_tail_manager), and uninstall in reverse.
+# prompt_tail_split wraps junction_split; output_checkpoint_bind wraps scheduler_plugin_config and
+# divergence_bind wraps both; output_checkpoint_manager wraps prompt_tail_manager;
+# divergence_attention_keys wraps prompt_tail_attention), and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -75,7 +81,9 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     prompt_tail_manager,
     prompt_tail_retention,
     prompt_tail_attention,
+    divergence_attention_keys,
     output_checkpoint_bind,
+    divergence_bind,
     output_checkpoint_manager,
     output_checkpoint_offload,
     finish_store_pinning,
@@ -94,6 +102,8 @@ class PlannedPatch:
     installs: Installs
     # The patch module's name (several entries share it when the patch replaces several attributes).
     patch: str
+    # The feature it serves, "vllm_fix" or "plugin_config" (the module's FEATURE).
+    feature: str
 
     @property
     def removed_in(self) -> str:
@@ -104,7 +114,7 @@ class PlannedPatch:
 def planned_patches(adapter: VllmAdapter) -> list[PlannedPatch]:
     """Every patch this wheel gets, in install order (all installed, or none)."""
     return [
-        PlannedPatch(spec, module.INSTALLS, module.__name__.rsplit(".", 1)[1])
+        PlannedPatch(spec, module.INSTALLS, module.__name__.rsplit(".", 1)[1], module.FEATURE)
         for module in PATCH_MODULES
         if module.INSTALLS.when(adapter)
         for spec in module_specs(module, adapter)

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler.schedule"
 # Every wheel that reserves blocks for async loads (and so names the queue scanned first).
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "async_load_liveness"
 INSTALLS = Installs(when=lambda adapter: adapter.first_waiting_queue_attr is not None, since="0.29.0")
 
 

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler._build_kv_connector_meta"
 ATTRIBUTE = "kv_connector_block_state"
 # Together with ``mamba_boundary_handoffs``: wherever the plugin adds the hand-off channel.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "fine_grained_cpu_hits"
 INSTALLS = Installs(when=lambda adapter: adapter.boundary_handoff_patch_needed, since="0.26.0", removed_in="0.29.0")
 
 

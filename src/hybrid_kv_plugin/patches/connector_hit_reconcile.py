@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator.find_longest_cache_hit_per_group"
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(
     when=lambda adapter: adapter.connector_lookup_takes_deepest_group,
     since="0.26.0",

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 OWNER = "vllm.v1.simple_kv_offload.manager:SimpleCPUOffloadScheduler"
 # Every wheel whose own SimpleCPU scheduler serves fine-grained hits queues finish-time stores.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(when=lambda adapter: adapter.has_native_fine_grained_cpu_hits, since="0.30.0")
 # The queued-but-unpinned stores, kept on the scheduler instance.
 UNPINNED_ATTR = "_hybrid_kv_unpinned_finish_stores"

@@ -52,6 +52,8 @@ PARAMS = (
 # Instance attributes the plan, the adoption and the replay hand-off read.
 STORED = ("eagle_group_ids", "enable_partial_hash_hits", "single_type_managers", "retention_interval", "scheduler_block_size")
 # Wherever the plugin backports the junction checkpoint (no native CacheConfig flag).
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "mamba_shared_prefix_checkpoint"
 INSTALLS = Installs(
     when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
 )

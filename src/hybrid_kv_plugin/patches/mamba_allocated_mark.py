@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager.allocate_new_blocks"
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(
     when=lambda adapter: not adapter.mamba_marks_requests_allocating_nothing,
     since="0.26.0",

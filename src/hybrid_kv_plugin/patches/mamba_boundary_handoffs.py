@@ -49,6 +49,8 @@ OWNER = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
 # can move all of a manager's attributes off CPython's fast path (see inert_patches.py).
 _HANDOFFS: weakref.WeakKeyDictionary[Any, _ManagerHandoffs] = weakref.WeakKeyDictionary()
 # Together with ``boundary_handoff_publish``: wherever the plugin adds the hand-off channel.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "fine_grained_cpu_hits"
 INSTALLS = Installs(when=lambda adapter: adapter.boundary_handoff_patch_needed, since="0.26.0", removed_in="0.29.0")
 
 # One hand-off: (request id, KV-cache group id, block, boundary tokens), as vLLM 0.29 records it.

@@ -43,6 +43,8 @@ PARAMS = ("self", "block_ids")
 OWNER_ATTRS = ("_build_save_meta", "request_finished", "update_state_after_alloc")
 _CACHE_ATTR = "_hybrid_kv_exchange_clip"
 # Wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "nixl_ssm_slot_pairing"
 INSTALLS = Installs(
     when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
 )

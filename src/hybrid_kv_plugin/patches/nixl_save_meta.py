@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:NixlBaseConnectorScheduler._build_save_meta"
 PARAMS = ("self", "meta", "scheduler_output")
 # Together with ``nixl_exchange_clip``: wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "nixl_ssm_slot_pairing"
 INSTALLS = Installs(
     when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
 )

@@ -40,6 +40,8 @@ PARAMS = ("self", "local_block_ids", "remote_block_ids", "remote_physical_per_lo
 # Reads kv_cache_config and _has_mamba on the instance (set by __init__).
 OWNER_ATTRS = ("_logical_to_kernel_block_ids",)
 # The worker half of the backport: wherever the plugin backports the SSM-aware exchange (vLLM 0.26).
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "nixl_ssm_slot_pairing"
 INSTALLS = Installs(
     when=lambda adapter: adapter.installs_backport(Feature.NIXL_SSM_SLOT_PAIRING), since="0.26.0", removed_in="0.27.0"
 )

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.config.kv_transfer:KVTransferConfig.has_connector"
 # Every wheel whose engine core gates the CPU pool sizing by connector name.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "fine_grained_cpu_hits"
 INSTALLS = Installs(when=lambda adapter: adapter.simplecpu_block_count_gated_by_name, since="0.33.0", permanent=True)
 
 

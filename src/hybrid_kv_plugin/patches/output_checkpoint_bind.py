@@ -15,17 +15,18 @@ Upstream: none; no vLLM release keeps a Mamba state inside an answer (vLLM issue
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import bind
-from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec, then_call
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler.__init__"
 PARAMS = ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size", "hash_block_size")
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "mamba_output_checkpoint"
 INSTALLS = Installs(when=lambda adapter: adapter.output_checkpoint_supported, since="0.29.0")
 
 
@@ -41,9 +42,4 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 
 def _wrap(original: Any, adapter: VllmAdapter) -> Any:
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        bind(self, adapter)
-
-    return __init__
+    return then_call(original, lambda scheduler: bind(scheduler, adapter))

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 # TARGET, PARAMS: the same method as prompt_tail_manager (installed after it, so it wraps it).
 # The rolling keep goes through keep_partial_state.
 READS = KEEP_PARTIAL_STATE_READS
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "mamba_output_checkpoint"
 INSTALLS = Installs(when=lambda adapter: adapter.output_checkpoint_supported, since="0.29.0")
 
 

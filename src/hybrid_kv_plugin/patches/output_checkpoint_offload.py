@@ -41,6 +41,8 @@ READS = frozenset(
     {"cpu_coordinator", "_gpu_block_pool", "hash_block_size", "fa_block_size", "fa_gidx",
      "_in_flight_store_gpu_blocks", "cpu_block_pool"}
 )
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "mamba_output_checkpoint"
 INSTALLS = Installs(
     when=lambda adapter: adapter.output_checkpoint_supported and adapter.has_native_fine_grained_cpu_hits,
     since="0.30.0",

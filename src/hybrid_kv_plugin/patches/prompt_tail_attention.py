@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager._cache_partial_tail_block"
 PARAMS = ("self", "request", "num_tokens")
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "prompt_tail_checkpoint"
 INSTALLS = Installs(when=lambda adapter: adapter.prompt_tail_checkpoint_supported, since="0.29.0")
 
 

@@ -36,6 +36,8 @@ TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager._cache_partial_
 PARAMS = ("self", "request", "num_tokens")
 READS = KEEP_PARTIAL_STATE_READS
 # Installed together with ``prompt_tail_split``.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "prompt_tail_checkpoint"
 INSTALLS = Installs(when=lambda adapter: adapter.prompt_tail_checkpoint_supported, since="0.29.0")
 
 

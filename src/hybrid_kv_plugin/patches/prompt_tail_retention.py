@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.v1.core.single_type_kv_cache_manager:MambaManager.cache_blocks"
 PARAMS = ("self", "request", "num_tokens", "retention_interval", "replay_boundaries")
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "prompt_tail_checkpoint"
 INSTALLS = Installs(
     when=lambda adapter: adapter.prompt_tail_checkpoint_supported and adapter.mamba_retention_keeps_replay_boundaries,
     since="0.30.0",

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
 # Every wheel whose Mamba manager can keep a partial prompt-tail state (the value is then
 # validated and offered); installed after ``junction_split``, which it wraps on 0.29.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "prompt_tail_checkpoint"
 INSTALLS = Installs(when=lambda adapter: adapter.prompt_tail_checkpoint_supported, since="0.29.0")
 
 

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies"
 # Every supported wheel queues copy-on-write copies through this method.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 
 

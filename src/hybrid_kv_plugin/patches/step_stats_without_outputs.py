@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 TARGET = "vllm.v1.engine.llm_engine:LLMEngine.step"
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(when=lambda adapter: adapter.llm_engine_drops_stats_without_outputs, since="0.26.0", removed_in="0.28.0")
 
 

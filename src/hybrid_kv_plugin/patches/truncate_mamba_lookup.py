@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 TARGET = "vllm.v1.core.kv_cache_manager:KVCacheManager.truncate_computed_blocks"
 # Only where fine-grained hits reach the trim: the plugin's channel is installed and the trim asserts on Mamba.
+# The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
+FEATURE = "vllm_fix"
 INSTALLS = Installs(
     when=lambda adapter: adapter.boundary_handoff_patch_needed and adapter.mamba_lookup_trim_patch_needed,
     since="0.27.1",

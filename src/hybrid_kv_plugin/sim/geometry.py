@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from hybrid_kv_plugin.models.environment import offline_environment as offline_environment  # examples import it here
 from hybrid_kv_plugin.sim.wheel import make_kv_cache_tensor
 
 MODEL_DIR = "tiny-qwen3-next"
@@ -23,17 +20,6 @@ _ATTN_BYTES_PER_TOKEN = 1 * 16 * 2 * 2
 
 def data_dir(name: str) -> str:
     return str(resources.files("hybrid_kv_plugin.sim") / "data" / name)
-
-
-def offline_environment() -> None:
-    """vLLM must not reach a hub, and its caches go to a private temp dir unless set.
-
-    The dir is made only when needed (once per process) and removed when the process exits."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if "VLLM_CACHE_ROOT" not in os.environ:
-        cache_root = tempfile.mkdtemp(prefix="hybrid-kv-vllm-cache-")
-        atexit.register(shutil.rmtree, cache_root, True)
-        os.environ["VLLM_CACHE_ROOT"] = cache_root
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ in the public traces; equal ids mean equal content; the last block may be partia
 Tokens: each hash id stands for one fixed block of token ids, generated from the id alone
 (the same id gives the same tokens in every run and process; two ids differ in their first
 two tokens, so different ids never give equal blocks). A prompt is its blocks' tokens, cut
-to ``input_length``.
+to ``input_length``, except where the conversation model (:mod:`hybrid_kv_plugin.sim.conversation`,
+default ``continuation``) reads a request as the next turn of an earlier one.
 
 Arrivals: request ``i`` arrives at scheduler step ``floor(timestamp / step_ms)`` (its
 ``wave``); the engine steps continuously, adding each request at its step, and when it has
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_kv_plugin.sim.conversation import DEFAULT_CONVERSATION_MODEL, ConversationStats, PromptBuilder
 from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
 
@@ -62,6 +64,7 @@ class TimedSegment(Segment):
     """Requests that arrive at their own steps (see the module docstring)."""
 
     step_ms: float = DEFAULT_STEP_MS
+    conversation: ConversationStats | None = None  # how the prompts were read from the hash ids
 
 
 class BlockTokens:
@@ -85,13 +88,6 @@ class BlockTokens:
             block = array.array("i", values.tobytes())
             self._cache[hash_id] = block
         return block
-
-    def prompt(self, hash_ids: list[int], length: int) -> array.array:
-        out = array.array("i")
-        for hash_id in hash_ids:
-            out.extend(self(hash_id))
-        del out[length:]
-        return out
 
 
 def _positive_int(item: dict, key: str, number: int, allow_zero: bool = False) -> int:
@@ -140,12 +136,14 @@ def load_mooncake(
     step_ms: float = DEFAULT_STEP_MS,
     limit: int | None = None,
     first_line: tuple[int, dict] | None = None,
+    conversation_model: str = DEFAULT_CONVERSATION_MODEL,
 ) -> list[Segment]:
     """One :class:`TimedSegment` named ``mooncake``, requests in file order (ids ``mc<N>``).
 
     ``first_line``: a line the caller already parsed (its number and object).
+    ``conversation_model``: ``continuation`` or ``blocks`` (:mod:`hybrid_kv_plugin.sim.conversation`).
     """
-    tokens = BlockTokens(block_tokens)
+    prompts = PromptBuilder(BlockTokens(block_tokens), block_tokens, conversation_model)
     requests: list[TimedRequest] = []
     previous_stamp = 0.0
 
@@ -163,7 +161,7 @@ def load_mooncake(
             TimedRequest(
                 request_id=f"mc{len(requests)}",
                 wave=int(stamp // step_ms),
-                prompt_token_ids=tokens.prompt(hash_ids, input_length),  # type: ignore[arg-type]
+                prompt_token_ids=prompts.add(hash_ids, input_length, output_length),  # type: ignore[arg-type]
                 max_tokens=output_length,
                 arrival_ms=stamp,
             )
@@ -175,7 +173,9 @@ def load_mooncake(
         if limit is not None and len(requests) >= limit:
             break
         add(number, line)
-    return [TimedSegment("mooncake", tuple(requests), step_ms=step_ms)] if requests else []
+    if not requests:
+        return []
+    return [TimedSegment("mooncake", tuple(requests), step_ms=step_ms, conversation=prompts.stats)]
 
 
 def lines_of(lines: Iterable[str], start: int = 1) -> Iterable[tuple[int, Any]]:

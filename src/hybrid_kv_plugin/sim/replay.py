@@ -39,6 +39,7 @@ class ReplayConfig:
     mamba_shared_prefix_checkpoint: bool = False
     prompt_tail_checkpoint: str = "native"
     mamba_output_checkpoint: bool = False
+    mamba_divergence_checkpoint: bool = False
 
     @property
     def connector(self) -> str:
@@ -52,6 +53,7 @@ CONFIGS = {
     "plugin+tail-replay": ReplayConfig("plugin+tail-replay", plugin=True, prompt_tail_checkpoint="replay"),
     "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
     "plugin+output-checkpoint": ReplayConfig("plugin+output-checkpoint", plugin=True, mamba_output_checkpoint=True),
+    "plugin+divergence": ReplayConfig("plugin+divergence", plugin=True, mamba_divergence_checkpoint=True),
 }
 
 
@@ -377,6 +379,8 @@ class _SegmentRun:
             options["prompt_tail_checkpoint"] = config.prompt_tail_checkpoint
         if config.mamba_output_checkpoint:
             options["mamba_output_checkpoint"] = True
+        if config.mamba_divergence_checkpoint:
+            options["mamba_divergence_checkpoint"] = True
         additional = {"hybrid_kv": options} if options else None
         # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
         # as cpu_bytes // page bytes for this single-tensor layout).

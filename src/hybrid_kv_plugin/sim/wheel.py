@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.models.kv_plan import resolve_block_sizes as resolve_block_sizes  # the engine's own resolution
+
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters import VllmAdapter
 
@@ -23,21 +25,6 @@ def make_kv_cache_tensor(adapter: VllmAdapter, size: int, layer_names: list[str]
         return KVCacheTensor(size=size, shared_by=list(layer_names))
     # Groups overlay one allocation: every layer starts at offset 0, one page per block.
     return KVCacheTensor(size=size, layers=list(layer_names), layer_stride=0, block_stride=page_size)
-
-
-def resolve_block_sizes(adapter: VllmAdapter, kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
-    """(scheduler block size, hash block size), recorded where the wheel's engine records them."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    if adapter.kv_cache_config_carries_hash_sizes:
-        from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
-
-        kv_cache_config.hash_block_size = hash_block_size
-        kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
-        )
-    return scheduler_block_size, hash_block_size
 
 
 def request_block_hasher(adapter: VllmAdapter, vllm_config: Any, hash_block_size: int) -> Any:

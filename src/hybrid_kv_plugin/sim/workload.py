@@ -134,6 +134,12 @@ def with_eagle(segments: Sequence[Segment], eagle: bool | None) -> list[Segment]
 
 
 # ---------------------------------------------------------------------------- JSONL traces
+TRACE_KEYS = frozenset(
+    {"id", "tokens", "prefix_id", "prefix_len", "suffix_len", "continues", "max_tokens", "wave",
+     "evict_gpu_before", "segment", "eagle"}
+)
+
+
 def load_trace(lines: Iterable[str]) -> list[Segment]:
     """JSONL, one request per line; see the README's "Trace format". Per line:
 
@@ -146,6 +152,7 @@ def load_trace(lines: Iterable[str]) -> list[Segment]:
       (false), ``segment`` ("main"), ``eagle`` (unset: the run's ``--eagle`` choice).
 
     Segments keep the order of their first line; one segment's lines must agree on ``eagle``.
+    A key outside :data:`TRACE_KEYS` (a typo such as ``max_token``) is an error naming its line.
     """
     prefixes: dict[str, tuple[int, ...]] = {}
     by_id: dict[str, TraceRequest] = {}
@@ -158,6 +165,11 @@ def load_trace(lines: Iterable[str]) -> list[Segment]:
             item = json.loads(line)
             if not isinstance(item, dict):
                 raise ValueError("each line must be a JSON object")
+            unknown = sorted(set(item) - TRACE_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(sorted(TRACE_KEYS))})"
+                )
             request_id = str(item.get("id", f"line{number}"))
             if request_id in by_id:
                 raise ValueError(f"duplicate id {request_id!r}")

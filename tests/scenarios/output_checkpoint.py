@@ -17,7 +17,7 @@ from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
-from hybrid_kv_plugin.sim.offload_scenarios import CPU_BYTES, OffloadRun
+from scenarios.offload import CPU_BYTES, OffloadRun
 
 # New text of turn B (never cached anywhere).
 NEW_TURN = tuple(range(500, 520))

@@ -1,6 +1,6 @@
 """Drive the installed wheel's real NIXL scheduler classes for one P/D request, without GPUs or a model.
 
-Used by the tests (and handy for checking a deployment's wheel): it builds a
+Used by the NIXL tests (test-only: it is not part of the wheel): it builds a
 prefill (P) and a decode (D) scheduler of vLLM's own ``NixlPullConnectorScheduler``
 or ``NixlPushConnectorScheduler`` over a hand-made hybrid ``KVCacheConfig``
 (full attention, sliding window, Mamba), hands them block tables, and reads

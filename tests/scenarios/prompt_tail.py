@@ -17,7 +17,7 @@ from typing import Any
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
-from hybrid_kv_plugin.sim.offload_scenarios import CONTINUATION, CPU_BYTES, OffloadRun
+from scenarios.offload import CONTINUATION, CPU_BYTES, OffloadRun
 
 EXACT, CONTINUED = "exact", "continuation"
 

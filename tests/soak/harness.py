@@ -10,8 +10,8 @@ after every step and :meth:`StepInvariants.check_idle` whenever the engine drain
 The hypothesis state machine in ``tests/test_reliability_statemachine.py`` calls
 the harness's operations; this module's command line runs a long seeded program::
 
-    python -m hybrid_kv_plugin.sim.soak --steps 10000            # every variant
-    python -m hybrid_kv_plugin.sim.soak --steps 2000 --variant plugin --seed 7
+    PYTHONPATH=tests python -m soak --steps 10000                # every variant
+    PYTHONPATH=tests python -m soak --steps 2000 --variant plugin --seed 7
 
 and prints, per variant, the steps, requests, invariant checks and violations,
 and the loads whose bytes the simulated worker verified with the byte check's own
@@ -30,7 +30,7 @@ from typing import Any
 
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.sim.engine import SimEngine, TransferFate, TransferPolicy
-from hybrid_kv_plugin.sim.fault_invariants import StepInvariants
+from soak.step_invariants import StepInvariants
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 
 HASH_BLOCK_SIZE = 16
@@ -372,7 +372,7 @@ def soak(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybrid_kv_plugin.sim.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="engine steps per variant (default 10000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", help="variant name (default: all)")
@@ -408,6 +408,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  violation: {line}")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Small SimEngine scenarios for SimpleCPU offload, shared by the tests, the example and the reliability suite.
+"""Small SimEngine scenarios for SimpleCPU offload, shared by the offload, byte-check and reliability tests.
 
 Every scenario drives the installed wheel's real scheduler, KV-cache manager and
 connector; :class:`~hybrid_kv_plugin.sim.invariants.OffloadInvariants` watches

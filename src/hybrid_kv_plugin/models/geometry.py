@@ -8,7 +8,10 @@ FlashAttention backend, the CUDA default for these models). The pool sizes come 
 wheel's KV-cache planner over one spec per layer, for the given KV-cache memory; the CPU
 tier holds ``cpu_bytes_to_use`` worth of the same blocks (SimpleCPU's own sizing rule).
 
-Every refusal is a :class:`GeometryError` carrying vLLM's message on one line.
+Every refusal is a :class:`GeometryError` on one line: vLLM's message, or where vLLM's own
+words name no config field or flag, the field and what would work (:mod:`.refusals`).
+vLLM inspects the model class in this process, without torchvision (:mod:`.inspection`).
+This package never imports the simulator: ``doctor`` resolves a geometry without it.
 """
 
 from __future__ import annotations
@@ -167,15 +170,39 @@ def resolve(
         raise GeometryError("no model: give --model DIR or a serve line naming one")
     if not os.path.isfile(os.path.join(serve.model, "config.json")):
         raise GeometryError(f"{serve.model}: no config.json there (a local model directory is needed)")
-    from hybrid_kv_plugin.sim.geometry import offline_environment
+    from hybrid_kv_plugin.models.environment import offline_environment
+    from hybrid_kv_plugin.models.inspection import model_inspection
+    from hybrid_kv_plugin.models.refusals import explain
 
     offline_environment()
     try:
-        return _resolve(serve, gpu_kv_bytes, cpu_bytes)
+        with model_inspection():
+            return _resolve(serve, gpu_kv_bytes, cpu_bytes)
     except GeometryError:
         raise
     except Exception as exc:  # noqa: BLE001 - vLLM refuses with many exception types
-        raise GeometryError(f"vLLM refuses this geometry: {one_line(exc)}") from None
+        line = explain(serve, exc, one_line(exc))
+    raise GeometryError(line + _unit_hint(serve, gpu_kv_bytes, cpu_bytes))
+
+
+def _unit_hint(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) -> str:
+    """Where the geometry resolves without the given ``--prefix-match-unit``, the blocks it must divide."""
+    if serve.prefix_match_unit is None:
+        return ""
+    from dataclasses import replace
+
+    try:
+        plain = resolve(replace(serve, prefix_match_unit=None), gpu_kv_bytes=gpu_kv_bytes, cpu_bytes=cpu_bytes)
+    except GeometryError:
+        return ""  # refused for another reason too; vLLM's line stands alone
+    from hybrid_kv_plugin.models.unit_advice import accepted_units
+
+    units = accepted_units(plain)
+    return (
+        f" -- in plain words: --prefix-match-unit {serve.prefix_match_unit} must divide the "
+        f"{plain.attention_block_size}-token attention block and the {plain.mamba_block_size}-token Mamba block "
+        f"vLLM resolves for {plain.architecture}; units that do: {', '.join(map(str, units))}"
+    )
 
 
 def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) -> ModelGeometry:
@@ -183,6 +210,11 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
+    from hybrid_kv_plugin.models.refusals import PREFIX, removed_architecture
+
+    removed = removed_architecture(serve.model)
+    if removed:  # vLLM would fall back to its generic Transformers backend, which is no hybrid
+        raise GeometryError(PREFIX + removed)
     model_config = ModelConfig(model=serve.model, skip_tokenizer_init=True, max_model_len=serve.max_model_len)
     if not model_config.is_hybrid:
         raise GeometryError(f"{serve.model}: {model_config.architecture} is not a hybrid (attention + Mamba) model")
@@ -209,12 +241,17 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     )
     Platform._align_hybrid_block_size(vllm_config, FlashAttentionBackend)
     attention_layers, mamba_layers = _layer_counts(model_config, parallel_config)
+    if not (attention_layers and mamba_layers):
+        raise GeometryError(
+            f"{serve.model}: config.json gives {attention_layers} attention and {mamba_layers} Mamba layers; "
+            "a hybrid needs both (check its layer type list)"
+        )
     # This process runs on the CPU platform, which turns the hybrid KV-cache manager off;
     # the CUDA engine keeps it on for hybrid models, and plans with it.
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     specs = _layer_specs(vllm_config, attention_layers, mamba_layers)
     gpu_kv = int(serve.kv_cache_memory_bytes or gpu_kv_bytes or DEFAULT_GPU_KV_GIB * GIB)
-    from hybrid_kv_plugin.sim.kv_planning import kv_cache_planner, resolve_layout
+    from hybrid_kv_plugin.models.kv_plan import kv_cache_planner, resolve_block_sizes, resolve_layout
 
     resolve_layout(vllm_config, FlashAttentionBackend, specs)
     planner = kv_cache_planner()
@@ -229,7 +266,6 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from hybrid_kv_plugin.registration import current_adapter
-    from hybrid_kv_plugin.sim.wheel import resolve_block_sizes
 
     # The engine's own (scheduler block, hash unit) resolution, which also refuses a bad unit.
     _scheduler_block, unit = resolve_block_sizes(current_adapter(), kv_cache_config, vllm_config)
@@ -260,27 +296,38 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
     )
 
 
-_ATTENTION_TYPES = ("attention", "full_attention")
-_STATE_TYPES = ("mamba", "linear_attention")
+# Per-layer type spellings (they differ between models and transformers releases). A
+# "hybrid" layer (Zamba2) holds a Mamba mixer and an attention block; "conv" is LFM2's
+# short convolution, which vLLM caches as Mamba-style state.
+_ATTENTION_TYPES = ("attention", "full_attention", "hybrid")
+_STATE_TYPES = ("mamba", "linear_attention", "conv", "hybrid")
 
 
 def _layer_counts(model_config: Any, parallel_config: Any) -> tuple[int, int]:
-    """(attention layers, Mamba/linear-attention layers): the per-layer type list where the
-    config carries one (its spellings differ between transformers releases)."""
+    """(attention layers, Mamba/linear-attention layers) that hold a KV-cache entry each.
+
+    From the per-layer type list where the config carries one; Kimi-Linear's
+    ``linear_attn_config`` lists both kinds; else vLLM's own count, where a model whose every
+    layer runs attention and Mamba side by side (Falcon-H1) counts only "hybrid" layers."""
     text = model_config.hf_text_config
     types = getattr(text, "layers_block_type", None) or getattr(text, "layer_types", None)
     if types:
         return sum(t in _ATTENTION_TYPES for t in types), sum(t in _STATE_TYPES for t in types)
-    return (
-        model_config.get_num_layers_by_block_type(parallel_config, "attention"),
-        model_config.get_num_layers_by_block_type(parallel_config, "mamba"),
-    )
+    linear = getattr(text, "linear_attn_config", None)
+    if isinstance(linear, dict) and "full_attn_layers" in linear and "kda_layers" in linear:
+        return len(linear["full_attn_layers"] or ()), len(linear["kda_layers"] or ())
+    attention = model_config.get_num_layers_by_block_type(parallel_config, "attention")
+    mamba = model_config.get_num_layers_by_block_type(parallel_config, "mamba")
+    if attention == mamba == 0:
+        parallel = model_config.get_num_layers_by_block_type(parallel_config, "hybrid")
+        return parallel, parallel
+    return attention, mamba
 
 
 def _layer_specs(vllm_config: Any, attention_layers: int, mamba_layers: int) -> dict[str, Any]:
     """One KV-cache spec per layer, as the model's layers would report them (no layer is built)."""
     from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     parallel_config = vllm_config.parallel_config
@@ -289,12 +336,17 @@ def _layer_specs(vllm_config: Any, attention_layers: int, mamba_layers: int) -> 
         from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
         dtype = STR_DTYPE_TO_TORCH_DTYPE[cache_config.cache_dtype]
-    attention = FullAttentionSpec(
-        block_size=cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=dtype,
-    )
+    attention_kwargs: dict[str, Any] = {
+        "block_size": cache_config.block_size,
+        "num_kv_heads": model_config.get_num_kv_heads(parallel_config),
+        "head_size": model_config.get_head_size(),
+        "dtype": dtype,
+    }
+    # MLA (Kimi-Linear) caches one latent per token, not K and V: its own spec, as vLLM's alignment sizes it.
+    if model_config.use_mla:
+        attention = MLAAttentionSpec(**attention_kwargs, cache_dtype_str=cache_config.cache_dtype)
+    else:
+        attention = FullAttentionSpec(**attention_kwargs)
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
     mamba = MambaSpec(
         block_size=(cache_config.mamba_block_size or cache_config.block_size)

@@ -1,0 +1,133 @@
+"""``hybrid-kv replay``'s report: the JSON object it prints with ``--json`` and its text rendering."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+
+def build_report(segments: Sequence[Any], settings: Any, results: Sequence[Any], per_request: bool = False) -> dict:
+    from dataclasses import asdict
+
+    from hybrid_kv_plugin import __version__
+    from hybrid_kv_plugin.registration import current_adapter
+
+    report: dict[str, Any] = {
+        "vllm": current_adapter().version,
+        "plugin": __version__,
+        "settings": asdict(settings),
+        "segments": [{"name": s.name, "requests": len(s.requests), "eagle": bool(s.eagle)} for s in segments],
+        "results": [r.as_dict(per_request=per_request) for r in results],
+    }
+    conversation = [s.conversation for s in segments if getattr(s, "conversation", None) is not None]
+    if conversation:
+        report["conversation"] = conversation[0].as_dict()
+    return report
+
+
+def render_report(report: dict, out: TextIO) -> None:
+    w = out.write
+    s = report["settings"]
+    segs = ", ".join(f"{x['name']} {x['requests']}{' with EAGLE' if x['eagle'] else ''}" for x in report["segments"])
+    requests = sum(x["requests"] for x in report["segments"])
+    w(f"hybrid-kv replay on vLLM {report['vllm']}: {requests} requests ({segs})\n")
+    refused = report.get("refused_requests") or {}
+    if refused:
+        reasons = "; ".join(f"{reason.replace('_', ' ')}: {count}" for reason, count in refused.items())
+        from hybrid_kv_plugin.cli.replay_inputs import DEFAULT_MAX_MODEL_LEN
+
+        limit = s["max_model_len"] or DEFAULT_MAX_MODEL_LEN
+        w(
+            f"refused: {sum(refused.values())} request(s) vLLM would answer with an error (max model length "
+            f"{limit}), left out: {reasons}\n"
+        )
+    model = report.get("model_geometry")
+    if model is not None:
+        from hybrid_kv_plugin.models.geometry import ModelGeometry, describe
+
+        w(f"geometry: {describe(ModelGeometry(**model))}\n")
+    else:
+        w(
+            f"geometry: FA {s['attention_block_size']} / Mamba {s['mamba_block_size']} {s['mamba_cache_mode']} / "
+            f"prefix-match unit {s['hash_block_size']}; GPU {s['gpu_blocks']} blocks, CPU {s['cpu_blocks']} blocks\n"
+        )
+    for note in report.get("pool_notes", ()):
+        w(f"pools: {note}\n")
+    results = report["results"]
+    ran = [r for r in results if "refused" not in r]
+    conversation = report.get("conversation")
+    if conversation is not None:
+        ideal = f"; ideal under it {ran[0]['ideal_tokens']} tokens" if ran else ""
+        w(
+            f"conversation model: {conversation['model']}: {conversation['continued_requests']} request(s) continue an "
+            f"earlier one, with {conversation['answer_tokens']} answer tokens in their prompts{ideal}\n"
+        )
+    w("\n")
+    header = ("config", "prompt tok", "ideal", "reused", "from GPU", "from CPU", "lost", "efficiency", "steps")
+    w("{:<18} {:>10} {:>7} {:>7} {:>9} {:>9} {:>6} {:>10} {:>6}\n".format(*header))
+    for r in results:
+        if "refused" in r:
+            w(f"{r['name']:<18} refused: {r['refused']}\n")
+            continue
+        w(
+            f"{r['name']:<18} {r['prompt_tokens']:>10} {r['ideal_tokens']:>7} {r['reused_tokens']:>7} "
+            f"{r['reused_gpu_tokens']:>9} {r['reused_cpu_tokens']:>9} {r['lost_tokens']:>6} "
+            f"{r['efficiency']:>10.3f} {r['steps']:>6}\n"
+        )
+    if ran:
+        _render_details(report, ran, w)
+    for hint in report.get("next_steps", ()):
+        w(f"\nnext step: {hint}\n")
+
+
+def _render_details(report: dict, ran: list[dict], w: Any) -> None:
+    from hybrid_kv_plugin.sim.attribution import Bucket
+
+    names = [r["name"] for r in ran]
+    width = max(16, *(len(n) + 1 for n in names))
+    row = "{:<32}" + "".join(f" {{:>{width}}}" for _ in names) + "\n"
+    w("\n" + " " * 32 + "".join(f" {n:>{width}}" for n in names) + "\n")
+    w(row.format("hits from the GPU cache", *(f"{_share(r['reused_gpu_tokens'], r['prompt_tokens'])}" for r in ran)))
+    w(row.format("hits from the CPU tier", *(f"{_share(r['reused_cpu_tokens'], r['prompt_tokens'])}" for r in ran)))
+    w("  (share of all prompt tokens)\n")
+    if all("ttft_steps" in r for r in ran):
+        w(row.format("TTFT steps mean / p90", *(f"{r['ttft_steps']['mean']:.1f} / {r['ttft_steps']['p90']}" for r in ran)))
+    if all("timing" in r for r in ran):
+        w(row.format("wall s", *(r["timing"]["wall_s"] for r in ran)))
+        w(row.format("requests/s", *(r["timing"]["requests_per_s"] for r in ran)))
+        w(row.format("scheduler steps/s", *(r["timing"]["steps_per_s"] for r in ran)))
+        w(row.format("peak RSS MiB (process)", *(r["timing"]["peak_rss_mib"] for r in ran)))
+        if "startup_s" in report:
+            w(f"  (wall s is each configuration's own run; start-up before the first: {report['startup_s']} s)\n")
+    if len(report["segments"]) > 1:
+        w("\nefficiency by segment\n")
+        for i, seg in enumerate(report["segments"]):
+            label = f"  {seg['name']}{' (EAGLE)' if seg['eagle'] else ''}"
+            w(row.format(label, *(f"{r['segments'][i]['efficiency']:.3f}" for r in ran)))
+    if all(r["loss"] is not None for r in ran):
+        w("\nloss attribution (tokens)" + " " * 7 + "".join(f" {n:>{width}}" for n in names) + "\n")
+        for bucket in Bucket:
+            values = [r["loss"][bucket.value] for r in ran]
+            if bucket is Bucket.UNEXPLAINED and not any(values):
+                continue
+            w(row.format(f"  {bucket.label}", *values))
+        w(row.format("  total lost", *(r["lost_tokens"] for r in ran)))
+        w(row.format("reused / reachable", *(f"{r['efficiency_of_reachable']:.3f}" for r in ran)))
+        w("  (reachable = ideal - no Mamba state - EAGLE prune: what a cache could have served)\n")
+    if any(r.get("replay_external_hit") for r in ran):
+        w("\nreplay external hit (cold -> replay: CPU-tier hit tokens / prompt tokens of the second pass)\n")
+        hits = [r["replay_external_hit"] for r in ran]
+        w(row.format("  CPU-tier hit tokens", *(h["cpu_tokens"] for h in hits)))
+        w(row.format("  replay prompt tokens", *(h["prompt_tokens"] for h in hits)))
+        w(row.format("  replay external hit", *(f"{h['ratio']:.4f}" for h in hits)))
+    if any(r["boundary_stats"] is not None for r in ran):
+        w("\nboundary hand-offs (connector counters; - = the connector has none)\n")
+        from hybrid_kv_plugin.sim.replay import STORE_FIELDS
+
+        for field in STORE_FIELDS:
+            values = [r["boundary_stats"][field] if r["boundary_stats"] is not None else "-" for r in ran]
+            w(row.format(f"  {field}", *values))
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"

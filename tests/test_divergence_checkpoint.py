@@ -1,0 +1,232 @@
+"""mamba_divergence_checkpoint: the Mamba state kept where a request's cached attention prefix ends, without EAGLE.
+
+Real Scheduler (and AsyncScheduler), KVCacheManager and HybridSimpleCPUConnector of
+the installed wheel. Three requests share a long prefix and differ after it. Request
+2 finds attention KV for the whole prefix (request 1's blocks) and no Mamba state in
+it past request 1's Mamba states (a block end, or none): its ``shared_prefix_boundary``
+(the junction) is where its attention hit ends. Without the option the wheel keeps no
+Mamba state there (its stop is floored to the grid, and the Mamba manager keeps only
+the prompt tail), and with attention blocks as coarse as the Mamba block the lookup
+does not even see a divergence inside a block; with it, attention blocks are keyed at
+every prefix-match unit, request 2's prefill ends a chunk at the junction and keeps
+the state, so request 3 resumes at the divergence point - from the GPU prefix cache,
+or from the CPU tier after the GPU prefix cache is reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from hybrid_kv_plugin.adapters import ADAPTERS, first_wheel_where
+from hybrid_kv_plugin.config import PluginConfigError, check_divergence_supported
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
+from hybrid_kv_plugin.divergence import MANAGER_ATTR
+from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.invariants import OffloadInvariants
+from hybrid_kv_plugin.sim.wheel import junction_active
+
+from helpers import tokens
+from scenarios.prompt_tail import mamba_states_held
+
+ON = {"hybrid_kv": {"mamba_divergence_checkpoint": True}}
+OFF = {"hybrid_kv": {"mamba_divergence_checkpoint": False}}
+CPU_BYTES = 4096 * 2048
+
+# Prefix-match unit 16. Qwen3-Next's geometry (attention block = Mamba block = 544, as
+# align mode sets them), and attention block 32 under a Qwen3-Next-like Mamba block (544)
+# or a small one (64). Each shared prefix ends inside a Mamba block.
+QWEN3_NEXT = HybridGeometry(attention_block_size=544, mamba_block_size=544, hash_block_size=16)
+FA32_MAMBA544 = HybridGeometry(attention_block_size=32, mamba_block_size=544, hash_block_size=16, num_gpu_blocks=512)
+FA32_MAMBA64 = HybridGeometry(attention_block_size=32, mamba_block_size=64, hash_block_size=16, num_gpu_blocks=512)
+CASES = {
+    "qwen3-next-1216": (QWEN3_NEXT, 1216),
+    "qwen3-next-1000": (QWEN3_NEXT, 1000),
+    "fa32-mamba544": (FA32_MAMBA544, 1216),
+    "fa32-mamba64": (FA32_MAMBA64, 1248),
+}
+SUFFIX = 100
+
+
+def _supported(adapter) -> bool:
+    return adapter.divergence_checkpoint_supported
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """``hits``: each request's hit (tokens it did not compute); ``external``: request 3's CPU-tier part.
+    ``junction``: request 2's ``shared_prefix_boundary``; ``chunks``: request 2's prefill chunks.
+    ``mamba_states``: Mamba blocks with a prefix-cache key once request 2 finished;
+    ``stored``: Mamba boundary states the connector stored by then."""
+
+    hits: tuple[int, int, int]
+    external: int
+    junction: int
+    chunks: tuple[int, ...]
+    mamba_states: int
+    stored: int
+
+
+def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, reset_gpu: bool) -> Siblings:
+    engine = SimEngine(
+        geometry,
+        adapter=adapter,
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES},
+        additional_config=config,
+    )
+    invariants = OffloadInvariants(engine)
+    prefix = tokens(shared)
+    requests, chunks, states, stored = [], (), 0, 0
+    for k in range(3):
+        if k == 2:
+            states = mamba_states_held(engine)
+            stored = engine.connector.get_boundary_store_stats().stored
+            if reset_gpu:
+                assert engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
+        first = len(engine.steps)
+        requests.append(engine.add_request(f"r{k}", prefix + tokens(SUFFIX, 2000 + 150 * k), max_tokens=2))
+        engine.run_until_idle()
+        invariants.check()
+        if k == 1:
+            chunks = tuple(
+                step.num_scheduled_tokens["r1"]
+                for step in engine.steps[first:]
+                if "r1" in step.num_scheduled_tokens
+            )[:-1]  # the last entry is the decode step
+    hits = tuple(engine.outcomes[f"r{k}"].hit_tokens for k in range(3))
+    return Siblings(hits, engine.outcomes["r2"].external_tokens, requests[1].shared_prefix_boundary, chunks, states, stored)
+
+
+# Per case: request 2's junction and request 3's hit, without the option (stock) and with it.
+# Qwen3-Next: attention blocks keyed only at block ends show request 2 no divergence inside
+# a block (junction 0 with a Mamba state at 1088; with only attention to 544 at 1000); the
+# option keys them at every unit, so request 2 sees the divergence to the unit and keeps the
+# state there. Attention block 32: request 2 sees it either way, but only the option keeps
+# a state there (stock keeps none in between: request 2's chunk ended at the junction).
+# Measured identical on 0.29 (junction backport) and 0.30-0.33 (the wheel's own junction stop
+# and manager case, gate opened by the plugin).
+STOCK = {"qwen3-next-1216": (0, 1088), "qwen3-next-1000": (544, 544), "fa32-mamba544": (1216, 0), "fa32-mamba64": (1248, 0)}
+DIVERGENCE = {
+    "qwen3-next-1216": (1216, 1216), "qwen3-next-1000": (992, 992), "fa32-mamba544": (1216, 1216), "fa32-mamba64": (1248, 1248),
+}
+# Request 2's hit (the same either way: the option serves the request after it).
+SECOND_HIT = {"qwen3-next-1216": 1088, "qwen3-next-1000": 0, "fa32-mamba544": 0, "fa32-mamba64": 0}
+# Request 2's prefill chunks (stock, option) and the Mamba blocks holding a reusable state
+# once it finished (= stored on the CPU tier). The cost: one chunk where the wheel did not
+# already end one at the divergence point, and one Mamba block per diverging request.
+CHUNKS = {
+    "qwen3-next-1216": ((224, 4), (128, 96, 4)),
+    "qwen3-next-1000": ((544, 544, 12), (544, 448, 96, 12)),
+    "fa32-mamba544": ((1216, 96, 4), (1216, 96, 4)),
+    "fa32-mamba64": ((1248, 96, 4), (1248, 96, 4)),
+}
+STATES = {"qwen3-next-1216": (3, 4), "qwen3-next-1000": (3, 4), "fa32-mamba544": (2, 3), "fa32-mamba64": (3, 4)}
+# 0.30+ (the wheel's own junction stop): the exact junction replaces the wheel's stop at the
+# junction floored to the Mamba grid (544), so neither a chunk nor a state is added there (the
+# state at 992 replaces the one at 544); the 0.29 backport keeps every stop the wheel makes.
+NATIVE = {"qwen3-next-1000": ((992, 96, 12), 3)}
+
+
+@pytest.mark.both_schedulers
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tier", ["gpu", "cpu"])
+def test_third_request_resumes_at_the_divergence_point(plugin, adapter, case, tier):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
+    geometry, shared = CASES[case]
+    stock = siblings(adapter, geometry, shared, OFF, reset_gpu=tier == "cpu")
+    kept = siblings(adapter, geometry, shared, ON, reset_gpu=tier == "cpu")
+    (stock_junction, stock_hit), (junction, hit) = STOCK[case], DIVERGENCE[case]
+    assert junction == shared // 16 * 16  # the divergence point, unit-floored
+    assert (stock.junction, kept.junction) == (stock_junction, junction)
+    assert stock.hits == (0, SECOND_HIT[case], stock_hit)
+    assert kept.hits == (0, SECOND_HIT[case], hit)
+    if tier == "cpu":
+        # After the GPU prefix cache reset, all of it comes from the CPU tier.
+        assert (stock.external, kept.external) == (stock_hit, hit)
+
+
+@pytest.mark.both_schedulers
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cost_one_mamba_block_per_divergence(plugin, adapter, case):
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
+    geometry, shared = CASES[case]
+    stock = siblings(adapter, geometry, shared, OFF, reset_gpu=False)
+    kept = siblings(adapter, geometry, shared, ON, reset_gpu=False)
+    (stock_chunks, chunks), (stock_states, states) = CHUNKS[case], STATES[case]
+    if adapter.native_junction_manager_attr is not None:
+        chunks, states = NATIVE.get(case, (chunks, states))
+    assert (stock.chunks, kept.chunks) == (stock_chunks, chunks)
+    assert (stock.mamba_states, kept.mamba_states) == (stock_states, states)
+    # Each kept state is stored on the CPU tier once (no double store).
+    assert (stock.stored, kept.stored) == (stock_states, states)
+
+
+def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):
+    """No EAGLE anywhere: 0.29 opens the junction backport's plan, 0.30+ the wheel's own gate."""
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
+    geometry, _ = CASES["qwen3-next-1216"]
+    off = make_engine(geometry, additional_config=OFF)
+    on = make_engine(geometry, additional_config=ON)
+    assert not off.vllm_config.speculative_config and not on.scheduler.kv_cache_manager.coordinator.eagle_group_ids
+    assert (junction_active(adapter, off.scheduler), junction_active(adapter, on.scheduler)) == (False, True)
+    installed = sorted(spec.name for spec in plugin.patch_set.specs if spec.name.startswith("divergence_"))
+    assert installed == ["divergence_attention_keys", "divergence_bind"]
+    managers = on.scheduler.kv_cache_manager.coordinator.single_type_managers
+    # The attention manager is keyed at every unit; only where the option is on.
+    assert [getattr(m, MANAGER_ATTR, False) for m in managers] == [True, False]
+    assert [getattr(m, MANAGER_ATTR, False) for m in off.scheduler.kv_cache_manager.coordinator.single_type_managers] == [False, False]
+    if adapter.native_junction_manager_attr is None:
+        assert sorted(type(m).__name__ for m in managers) == ["FullAttentionManager", "JunctionMambaManager"]
+    else:
+        flags = [getattr(m, adapter.native_junction_manager_attr) for m in managers]
+        assert flags == [False, True]  # the attention manager keeps the wheel's default
+
+
+def test_gate_stays_closed_without_partial_hash_hits(plugin, make_engine, adapter, plugin_log):
+    """A unit as coarse as the Mamba block: no sub-block state is reachable, so no stop is added."""
+    if not _supported(adapter):
+        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
+    coarse = HybridGeometry(attention_block_size=64, mamba_block_size=64, hash_block_size=64)
+    engine = make_engine(coarse, additional_config=ON)
+    assert junction_active(adapter, engine.scheduler) is False
+    assert any("mamba_divergence_checkpoint is on but inactive here" in m for m in plugin_log.messages())
+
+
+def test_refusal_names_the_first_wheel_with_the_option():
+    first = first_wheel_where("divergence_checkpoint_supported")
+    assert first == next(cls.tested_wheels[0] for cls in ADAPTERS if cls.divergence_checkpoint_supported)
+    check_divergence_supported(False, False, "0.26.0", first)  # off: nothing to refuse
+    with pytest.raises(PluginConfigError) as refused:
+        check_divergence_supported(True, False, "0.26.0", first)
+    assert str(refused.value) == (
+        "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_divergence_checkpoint: true "
+        f"needs vLLM >= {first} and this is vLLM 0.26.0 (allowed here: false)"
+    )
+
+
+def test_old_wheels_refuse_the_option(plugin, make_engine, adapter):
+    if _supported(adapter):
+        engine = make_engine(CASES["fa32-mamba544"][0], additional_config=ON)
+        assert engine.scheduler.hybrid_kv_config.mamba_divergence_checkpoint is True
+        return
+    with pytest.raises(PluginConfigError) as refused:
+        make_engine(CASES["fa32-mamba544"][0], additional_config=ON)
+    assert str(refused.value) == (
+        "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_divergence_checkpoint: true needs vLLM >= "
+        f"{first_wheel_where('divergence_checkpoint_supported')} and this is vLLM {adapter.version} (allowed here: false)"
+    )
+
+
+def test_other_values_stop_start_up(plugin, make_engine):
+    for bad in ("true", 1, None):
+        with pytest.raises(PluginConfigError) as refused:
+            make_engine(CASES["fa32-mamba544"][0], additional_config={"hybrid_kv": {"mamba_divergence_checkpoint": bad}})
+        assert str(refused.value) == (
+            "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_divergence_checkpoint: Input should be "
+            f"a valid boolean (got {bad!r}; allowed: true or false)"
+        )
