@@ -30,7 +30,7 @@ NO_SHRINK = (("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci-noshrink"),)
 FINE = "offload/fine_grained_scheduler.py"  # the 0.26-0.29 backport of fine-grained CPU hits
 CHECKERS = "tests/test_invariant_checkers.py"
 OFFLOAD = "tests/test_cpu_offload_behaviour.py"
-JUNCTION_OUTSIDE = "tests/test_junction_checkpoint.py::test_junction_outside_the_prompt_chunk_adds_nothing"
+JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outside_the_prompt_chunk_adds_nothing"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -277,7 +277,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if not plan.enabled:\n",
         "        if True:\n",
         # The switch on would neither re-type the Mamba managers nor hand them the replay boundaries.
-        ("tests/test_junction_checkpoint.py::test_switch_selects_backport_or_native",),
+        ("tests/test_shared_prefix_checkpoint.py::test_switch_selects_backport_or_native",),
         ("0.29.0",),
     ),
     Mutant(

@@ -12,7 +12,7 @@ from helpers import CAPABILITY_TABLE, B, U
 
 # The manifest's patches that add vLLM 0.29's boundary hand-off channel to 0.26-0.28.
 HANDOFF_CHANNEL_PATCHES = ("mamba_boundary_handoffs", "boundary_handoff_publish", "truncate_mamba_lookup")
-FEATURES = (Feature.FINE_GRAINED_CPU_HITS, Feature.MAMBA_JUNCTION_CHECKPOINT, Feature.NIXL_SSM_SLOT_PAIRING)
+FEATURES = (Feature.FINE_GRAINED_CPU_HITS, Feature.MAMBA_SHARED_PREFIX_CHECKPOINT, Feature.NIXL_SSM_SLOT_PAIRING)
 
 
 @pytest.mark.parametrize(

@@ -214,7 +214,7 @@ def _junction(adapter, line: str) -> dict:
 def test_junction_takes_effect_with_eagle_and_the_switch(adapter):
     from hybrid_kv_plugin.adapters import Feature, Support
 
-    native = adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT).support is Support.NATIVE
+    native = adapter.verdict(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT).support is Support.NATIVE
     how = "natively" if native else "through the plugin's backport"
     expected = {
         "switch": True,

@@ -162,7 +162,7 @@ class VllmAdapter:
             if self.has_native_nixl_ssm_clip:
                 return True, "the NIXL scheduler has get_exchange_clipped_blocks (vLLM 0.27.0)"
             return False, "the NIXL scheduler clips sliding-window groups only"
-        if feature is Feature.MAMBA_JUNCTION_CHECKPOINT:
+        if feature is Feature.MAMBA_SHARED_PREFIX_CHECKPOINT:
             if self.native_junction_flag:
                 return True, f"CacheConfig.{self.native_junction_flag} (vLLM PR #53945)"
             return False, "the Mamba split stops at the block-floored junction only"

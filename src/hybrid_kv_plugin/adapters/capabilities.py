@@ -14,7 +14,7 @@ class Feature(str, Enum):
     """The three features, named for what a user gets."""
 
     FINE_GRAINED_CPU_HITS = "fine_grained_cpu_hits"  # vLLM PR #54736
-    MAMBA_JUNCTION_CHECKPOINT = "mamba_junction_checkpoint"  # vLLM PR #53945
+    MAMBA_SHARED_PREFIX_CHECKPOINT = "mamba_shared_prefix_checkpoint"  # vLLM PR #53945
     NIXL_SSM_SLOT_PAIRING = "nixl_ssm_slot_pairing"  # vLLM 0.27.0
 
     @property
@@ -24,7 +24,7 @@ class Feature(str, Enum):
 
 _TITLES = {
     Feature.FINE_GRAINED_CPU_HITS: "Fine-grained hybrid prefix hits through CPU offload",
-    Feature.MAMBA_JUNCTION_CHECKPOINT: "Mamba shared-prefix (junction) checkpoint under EAGLE",
+    Feature.MAMBA_SHARED_PREFIX_CHECKPOINT: "Mamba shared-prefix (junction) checkpoint under EAGLE",
     Feature.NIXL_SSM_SLOT_PAIRING: "NIXL P/D pairing of Mamba state slots",
 }
 
@@ -63,9 +63,9 @@ FEATURES: tuple[FeatureRow, ...] = (
     ),
     FeatureRow(
         "mamba_shared_prefix_checkpoint",
-        _TITLES[Feature.MAMBA_JUNCTION_CHECKPOINT],
+        _TITLES[Feature.MAMBA_SHARED_PREFIX_CHECKPOINT],
         _HYBRID_KV % "mamba_shared_prefix_checkpoint" + " or HYBRID_KV_MAMBA_SHARED_PREFIX_CHECKPOINT=1",
-        Feature.MAMBA_JUNCTION_CHECKPOINT,
+        Feature.MAMBA_SHARED_PREFIX_CHECKPOINT,
     ),
     FeatureRow(
         "nixl_ssm_slot_pairing",

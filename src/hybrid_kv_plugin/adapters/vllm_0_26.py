@@ -11,7 +11,7 @@ class Vllm026Adapter(VllmAdapter):
     tested_wheels = ("0.26.0",)
     backports_shipped = VllmAdapter.backports_shipped | {
         Feature.NIXL_SSM_SLOT_PAIRING,
-        Feature.MAMBA_JUNCTION_CHECKPOINT,
+        Feature.MAMBA_SHARED_PREFIX_CHECKPOINT,
         # Fine-grained CPU hits: the plugin adds the 0.29 boundary hand-off channel, then
         # runs the same fine-grained SimpleCPU scheduler as on 0.29 (hybrid_kv_plugin.offload).
         Feature.FINE_GRAINED_CPU_HITS,

@@ -14,7 +14,7 @@ class Vllm030Adapter(Vllm029Adapter):
     # Native wins: the 0.29 backports of both features are not shipped (nor installed) here.
     backports_shipped = Vllm029Adapter.backports_shipped - {
         Feature.FINE_GRAINED_CPU_HITS,
-        Feature.MAMBA_JUNCTION_CHECKPOINT,
+        Feature.MAMBA_SHARED_PREFIX_CHECKPOINT,
     }
     simplecpu_worker_submits_without_forward = True
     kv_load_failure_by_request = True

@@ -227,8 +227,8 @@ def _junction_verdict(
     mamba_block: int,
 ) -> tuple[bool, str]:
     """Whether the junction checkpoint would act, in the order its gate checks; the reason either way."""
-    support = adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT)
-    if not adapter.supports(Feature.MAMBA_JUNCTION_CHECKPOINT):
+    support = adapter.verdict(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT)
+    if not adapter.supports(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT):
         return False, f"unavailable on vLLM {adapter.version}: {support.reason}"
     if method is None:
         return False, (

@@ -55,7 +55,7 @@ STORED = ("eagle_group_ids", "enable_partial_hash_hits", "single_type_managers",
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "mamba_shared_prefix_checkpoint"
 INSTALLS = Installs(
-    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
+    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
 )
 
 

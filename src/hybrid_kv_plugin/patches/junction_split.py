@@ -42,7 +42,7 @@ TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "mamba_shared_prefix_checkpoint"
 INSTALLS = Installs(
-    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_JUNCTION_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
+    when=lambda adapter: adapter.installs_backport(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT), since="0.26.0", removed_in="0.30.0"
 )
 
 

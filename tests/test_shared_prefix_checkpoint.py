@@ -88,7 +88,7 @@ def test_switch_selects_backport_or_native(plugin, make_engine, adapter):
     managers = sorted(type(m).__name__ for m in coordinator.single_type_managers)
     installed = sorted(spec.name for spec in plugin.patch_set.specs if spec.name.startswith("junction_"))
     if adapter.version in BACKPORT_WHEELS:
-        assert adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT).support is Support.BACKPORT
+        assert adapter.verdict(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT).support is Support.BACKPORT
         assert installed == ["junction_coordinator", "junction_split"]
         assert (type(coordinator).__name__, managers) == (
             "JunctionHybridKVCacheCoordinator",
@@ -97,7 +97,7 @@ def test_switch_selects_backport_or_native(plugin, make_engine, adapter):
     else:
         # The switch is set on CacheConfig before the stock Scheduler constructor runs, so
         # the native KVCacheManager computes its own gate from it; nothing is patched.
-        assert adapter.verdict(Feature.MAMBA_JUNCTION_CHECKPOINT).support is Support.NATIVE
+        assert adapter.verdict(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT).support is Support.NATIVE
         assert installed == []
         assert (type(coordinator).__name__, managers) == ("HybridKVCacheCoordinator", ["FullAttentionManager", "MambaManager"])
         assert getattr(engine.vllm_config.cache_config, adapter.native_junction_flag) is True
