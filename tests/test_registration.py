@@ -183,13 +183,13 @@ def test_patches_of_one_target_stack_in_order_and_unwind_in_reverse(no_plugin, a
 
     installed = inspect.getattr_static(Scheduler, "__init__")
     assert getattr(installed, PATCH_MARKER) == "outer_init"
-    # 0.29+: output_checkpoint_bind wraps the config patch of the constructor.
+    # 0.29+: divergence_bind wraps output_checkpoint_bind, which wraps the config patch of the constructor.
     init_chain, inner = [], installed.__wrapped__
     while is_patched(inner):
         init_chain.append(getattr(inner, PATCH_MARKER))
         inner = inner.__wrapped__
     names = {s.name for s in good}
-    assert init_chain == [n for n in ("output_checkpoint_bind", "scheduler_plugin_config") if n in names]
+    assert init_chain == [n for n in ("divergence_bind", "output_checkpoint_bind", "scheduler_plugin_config") if n in names]
     assert inner is stock_init
     # 0.29: the tail split wraps the junction split of the same method.
     split = inspect.getattr_static(Scheduler, "_mamba_block_aligned_split")

@@ -237,7 +237,7 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
     assert console_main(["replay", "--trace", str(bad)]) == 2
     assert capsys.readouterr().err == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt\n"
     assert console_main(["replay", "--configs", "stock,fast"]) == 2
-    assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction, plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint\n"
+    assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction, plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+divergence\n"
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys):
