@@ -53,6 +53,15 @@ def _supported(adapter) -> bool:
     return adapter.divergence_checkpoint_supported
 
 
+def _refused_here(adapter, build) -> bool:
+    """On a wheel without the option, building with it stops start-up (asserted): True, nothing more to run."""
+    if _supported(adapter):
+        return False
+    with pytest.raises(PluginConfigError, match=r"hybrid_kv\.mamba_divergence_checkpoint: true needs vLLM >= "):
+        build()
+    return True
+
+
 @dataclass(frozen=True)
 class Siblings:
     """``hits``: each request's hit (tokens it did not compute); ``external``: request 3's CPU-tier part.
@@ -133,9 +142,9 @@ NATIVE = {"qwen3-next-1000": ((992, 96, 12), 3)}
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])
 def test_third_request_resumes_at_the_divergence_point(plugin, adapter, case, tier):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
     geometry, shared = CASES[case]
+    if _refused_here(adapter, lambda: siblings(adapter, geometry, shared, ON, reset_gpu=tier == "cpu")):
+        return
     stock = siblings(adapter, geometry, shared, OFF, reset_gpu=tier == "cpu")
     kept = siblings(adapter, geometry, shared, ON, reset_gpu=tier == "cpu")
     (stock_junction, stock_hit), (junction, hit) = STOCK[case], DIVERGENCE[case]
@@ -151,9 +160,9 @@ def test_third_request_resumes_at_the_divergence_point(plugin, adapter, case, ti
 @pytest.mark.both_schedulers
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cost_one_mamba_block_per_divergence(plugin, adapter, case):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
     geometry, shared = CASES[case]
+    if _refused_here(adapter, lambda: siblings(adapter, geometry, shared, ON, reset_gpu=False)):
+        return
     stock = siblings(adapter, geometry, shared, OFF, reset_gpu=False)
     kept = siblings(adapter, geometry, shared, ON, reset_gpu=False)
     (stock_chunks, chunks), (stock_states, states) = CHUNKS[case], STATES[case]
@@ -167,9 +176,9 @@ def test_cost_one_mamba_block_per_divergence(plugin, adapter, case):
 
 def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):
     """No EAGLE anywhere: 0.29 opens the junction backport's plan, 0.30+ the wheel's own gate."""
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
     geometry, _ = CASES["qwen3-next-1216"]
+    if _refused_here(adapter, lambda: make_engine(geometry, additional_config=ON)):
+        return
     off = make_engine(geometry, additional_config=OFF)
     on = make_engine(geometry, additional_config=ON)
     assert not off.vllm_config.speculative_config and not on.scheduler.kv_cache_manager.coordinator.eagle_group_ids
@@ -189,9 +198,9 @@ def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):
 
 def test_gate_stays_closed_without_partial_hash_hits(plugin, make_engine, adapter, plugin_log):
     """A unit as coarse as the Mamba block: no sub-block state is reachable, so no stop is added."""
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: refused at start-up (test_old_wheels_refuse_the_option)")
     coarse = HybridGeometry(attention_block_size=64, mamba_block_size=64, hash_block_size=64)
+    if _refused_here(adapter, lambda: make_engine(coarse, additional_config=ON)):
+        return
     engine = make_engine(coarse, additional_config=ON)
     assert junction_active(adapter, engine.scheduler) is False
     assert any("mamba_divergence_checkpoint is on but inactive here" in m for m in plugin_log.messages())
