@@ -9,7 +9,8 @@ import pytest
 
 from hybrid_kv_plugin.adapters import Feature
 from hybrid_kv_plugin.sim.bench import BenchCase, run_case
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings
 
 from helpers import KEEPS_EVERY_BLOCK, STEPS, V033_STOCK, small_workload, tokens
 

@@ -14,7 +14,8 @@ import pytest
 
 from hybrid_kv_plugin.cli.main import main
 from hybrid_kv_plugin.sim.cold_replay import REPLAY_PREFIX, cold_replay_segments, replay_external_hit
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
 
 from helpers import tokens

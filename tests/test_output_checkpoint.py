@@ -15,7 +15,8 @@ import pytest
 import hybrid_kv_plugin
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 from hybrid_kv_plugin.sim.workload import default_workload, load_trace
 

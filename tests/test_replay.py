@@ -19,7 +19,8 @@ import pytest
 
 from hybrid_kv_plugin.adapters import Feature
 from hybrid_kv_plugin.sim.attribution import Bucket
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.sim.workload import default_workload
 
 from helpers import KEEPS_EVERY_BLOCK, STEPS, V033_STOCK, small_workload

@@ -11,7 +11,8 @@ from hybrid_kv_plugin.cli.main import console_main
 from hybrid_kv_plugin.cli.serve_args import check_serve_args
 from hybrid_kv_plugin.sim.geometry import data_dir
 from hybrid_kv_plugin.sim.pool_bound import blocks_a_workload_can_take
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.sim.workload import default_workload
 
 QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
@@ -162,6 +163,6 @@ def test_a_pool_cut_to_what_the_workload_can_take_replays_the_same():
 def test_the_cli_names_every_replay_configuration():
     """The CLI's light list (help text, --configs) stays the simulator's table, in its order."""
     from hybrid_kv_plugin.cli.args import CONFIG_NAMES
-    from hybrid_kv_plugin.sim.replay import CONFIGS
+    from hybrid_kv_plugin.sim.configs import CONFIGS
 
     assert CONFIG_NAMES == tuple(CONFIGS)

@@ -20,7 +20,8 @@ from hybrid_kv_plugin.cli.replay import MODEL_GEOMETRY_FIELDS, settings_for_mode
 from hybrid_kv_plugin.sim.geometry import data_dir
 from hybrid_kv_plugin.models.geometry import ServeLine, resolve
 from hybrid_kv_plugin.sim.mooncake import load_mooncake
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplaySettings, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS
+from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.adapters.detect import installed_vllm
 from hybrid_kv_plugin.registration import current_adapter
 

@@ -81,7 +81,7 @@ def settings_from(args: argparse.Namespace) -> Any:
 
 def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool = False) -> list[Any]:
     """The configurations of ``--configs`` (None: the default for these segments)."""
-    from hybrid_kv_plugin.sim.replay import CONFIGS
+    from hybrid_kv_plugin.sim.configs import CONFIGS
 
     if names is None and cold_replay:
         chosen = list(COLD_REPLAY_CONFIGS)

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_kv_plugin.sim.replay import CONFIGS, ReplayConfig, ReplaySettings, StepTimer, replay
+from hybrid_kv_plugin.sim.configs import CONFIGS, ReplayConfig
+from hybrid_kv_plugin.sim.replay import ReplaySettings, StepTimer, replay
 from hybrid_kv_plugin.sim.workload import Segment
 
 BENCH_CONFIGS = (CONFIGS["stock"], CONFIGS["plugin"])

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats
 from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
+from hybrid_kv_plugin.sim.configs import ReplayConfig
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 from hybrid_kv_plugin.sim.mooncake import TimedSegment, run_timed
 from hybrid_kv_plugin.sim.wheel import boundary_handoffs, boundary_handoffs_published
@@ -30,31 +30,6 @@ from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, pr
 
 # The boundary-store counters, in the order the report prints them.
 STORE_FIELDS = tuple(f.name for f in dataclasses.fields(BoundaryStoreStats))
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    name: str
-    plugin: bool
-    mamba_shared_prefix_checkpoint: bool = False
-    prompt_tail_checkpoint: str = "native"
-    mamba_output_checkpoint: bool = False
-    mamba_divergence_checkpoint: bool = False
-
-    @property
-    def connector(self) -> str:
-        return CONNECTOR_NAME if self.plugin else STOCK_CONNECTOR_NAME
-
-
-CONFIGS = {
-    "stock": ReplayConfig("stock", plugin=False),
-    "plugin": ReplayConfig("plugin", plugin=True),
-    "plugin+junction": ReplayConfig("plugin+junction", plugin=True, mamba_shared_prefix_checkpoint=True),
-    "plugin+tail-replay": ReplayConfig("plugin+tail-replay", plugin=True, prompt_tail_checkpoint="replay"),
-    "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
-    "plugin+output-checkpoint": ReplayConfig("plugin+output-checkpoint", plugin=True, mamba_output_checkpoint=True),
-    "plugin+divergence": ReplayConfig("plugin+divergence", plugin=True, mamba_divergence_checkpoint=True),
-}
 
 
 @dataclass(frozen=True)
