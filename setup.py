@@ -27,5 +27,7 @@ setup(
         "nixl": ["nixl==1.5.1", "nixl-cu12==1.5.1"],
         "test": ["pytest", "pytest-mock", "hypothesis", "import-linter"],
         "plot": ["matplotlib"],
+        # HybridMooncakeStoreConnector's store client (needs the system library libibverbs.so.1)
+        "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
     }
 )

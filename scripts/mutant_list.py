@@ -316,4 +316,41 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
         ("0.29.0", "0.33.0"),
     ),
+    Mutant(
+        "divergence-attention-keyed-only-at-block-ends",
+        "patches/divergence_attention_keys.py",
+        "        if getattr(self, MANAGER_ATTR, False):\n",
+        "        if False:\n",
+        # Attention blocks as coarse as the Mamba block show a lookup no divergence inside a block.
+        ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "divergence-attention-keyed-only-at-the-last-unit",
+        "divergence/attention.py",
+        "    for position in range((done // unit + 1) * unit, limit + 1, unit):\n",
+        "    for position in range(limit // unit * unit, limit + 1, unit):\n",
+        # Only the last unit boundary a chunk computed is keyed, not every one since the last call.
+        ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "divergence-native-mamba-manager-keeps-no-state",
+        "divergence/native.py",
+        "            setattr(single, adapter.native_junction_manager_attr, True)\n",
+        "            pass\n",
+        # 0.30+: the split stops at the junction, but the Mamba manager keeps no state there.
+        ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "divergence-bound-with-the-option-off",
+        "divergence/binding.py",
+        "    if not divergence_requested(scheduler):\n",
+        "    if False:\n",
+        # The junction stop and unit keys would change what a scheduler without the option does (0.30+:
+        # the native gate; on 0.29 the backport's plan_of reads the option itself, so it is equivalent there).
+        ("tests/test_divergence_checkpoint.py::test_option_selects_backport_or_native_gate",),
+        ("0.33.0",),
+    ),
 )

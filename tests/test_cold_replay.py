@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 
 from hybrid_kv_plugin.cli.main import main
 from hybrid_kv_plugin.sim.cold_replay import REPLAY_PREFIX, cold_replay_segments, replay_external_hit
@@ -45,11 +44,23 @@ STOCK = {"0.29.0": 0, "0.30.0": 0, "0.31.0": 0, "0.32.0": BEST, "0.33.0": BEST}
 PLUGIN = {"0.29.0": 0, "0.30.0": 0, "0.31.0": 0, "0.32.0": BEST, "0.33.0": BEST}
 
 
+def _tail_refusal(adapter, mode: str) -> str:
+    return (
+        f"invalid hybrid-kv-plugin configuration: hybrid_kv.prompt_tail_checkpoint: {mode!r} needs "
+        f"vLLM >= 0.29.0 and this is vLLM {adapter.version} (allowed here: native)"
+    )
+
+
 def test_replay_external_hit_per_configuration(adapter):
-    if not adapter.prompt_tail_checkpoint_supported:
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (the tail configurations are refused)")
     segments = cold_replay_segments(_workload())
     settings = ReplaySettings(gpu_blocks=256, cpu_blocks=4096)
+    if not adapter.prompt_tail_checkpoint_supported:
+        # 0.26-0.28: the tail configurations are refused, as a server's start-up would be.
+        refused = {name: replay(segments, settings, CONFIGS[name]).refused
+                   for name in ("plugin+tail-replay", "plugin+tail-both")}
+        assert refused == {"plugin+tail-replay": _tail_refusal(adapter, "replay"),
+                           "plugin+tail-both": _tail_refusal(adapter, "both")}
+        return
     hits = {
         name: replay_external_hit(replay(segments, settings, CONFIGS[name]))
         for name in ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
@@ -65,8 +76,6 @@ def test_replay_external_hit_per_configuration(adapter):
 
 
 def test_cli_reports_the_replay_external_hit(adapter, tmp_path, monkeypatch):
-    if not adapter.prompt_tail_checkpoint_supported:
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(
         f'{{"id": "p{n}", "tokens": {tokens(n, offset=7 * i)}, "max_tokens": 4, "wave": 0}}\n'
@@ -76,6 +85,9 @@ def test_cli_reports_the_replay_external_hit(adapter, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdout", out)
     assert main(["replay", "--cold-replay", "--trace", str(trace), "--configs", "plugin+tail-both"]) == 0
     text = out.getvalue()
+    if not adapter.prompt_tail_checkpoint_supported:
+        assert _tail_refusal(adapter, "both") in text
+        return
     assert "replay external hit (cold -> replay" in text
     lines = [line.split() for line in text.splitlines()]
     assert ["CPU-tier", "hit", "tokens", "1456"] in lines

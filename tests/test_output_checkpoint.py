@@ -31,9 +31,13 @@ def _turns(adapter, enabled, **kwargs) -> TurnMeasurement:
     return two_turns(adapter, enabled, tokens(PROMPT), OUTPUT, **kwargs)
 
 
-def _needs_supported(adapter):
-    if not adapter.output_checkpoint_supported:
-        pytest.skip(f"vLLM {adapter.version}: mamba_output_checkpoint needs 0.29+ (start-up refusal tested below)")
+def _refused_here(adapter) -> bool:
+    """On 0.26-0.28, building with the option stops start-up (asserted): True, nothing more to run."""
+    if adapter.output_checkpoint_supported:
+        return False
+    with pytest.raises(PluginConfigError, match=r"hybrid_kv\.mamba_output_checkpoint: true needs vLLM >= 0\.29\.0"):
+        turn_engine(adapter, True)
+    return True
 
 
 def _stock_steps(adapter) -> int:
@@ -49,7 +53,8 @@ ANSWER_HIT = {"sync": 352, "async": 320}
 
 @pytest.mark.both_schedulers
 def test_cpu_tier_serves_the_previous_answer(plugin, adapter, scheduling):
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on = _turns(adapter, True, reset_gpu=True)
     # The last unit boundary of the 359 computed tokens; all of it loaded from the CPU tier.
     assert (on.hit, on.external) == (ANSWER_HIT[scheduling],) * 2
@@ -58,7 +63,8 @@ def test_cpu_tier_serves_the_previous_answer(plugin, adapter, scheduling):
 
 
 def test_gpu_prefix_cache_serves_the_previous_answer(plugin, adapter):
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     assert _turns(adapter, True, reset_gpu=False, connector=False).hit == 352
     assert _turns(adapter, False, reset_gpu=False, connector=False).hit == 320
     # With the connector the wheel reports the full-attention-aligned local hit (320) and
@@ -68,7 +74,8 @@ def test_gpu_prefix_cache_serves_the_previous_answer(plugin, adapter):
 
 
 def test_cost_one_state_per_running_request_no_extra_step(plugin, adapter):
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on, off = _turns(adapter, True, reset_gpu=True), _turns(adapter, False, reset_gpu=True)
     assert (on.steps, off.steps) == (_stock_steps(adapter), _stock_steps(adapter))
     assert (on.max_answer_states, on.answer_states_left) == (1, 1)
@@ -79,7 +86,8 @@ def test_cost_one_state_per_running_request_no_extra_step(plugin, adapter):
 
 def test_answer_crossing_a_mamba_block_end(plugin, adapter):
     """100 output tokens: 419 computed; the wheel itself keeps 384 (a block end), the option 416."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on = two_turns(adapter, True, tokens(PROMPT), 100, reset_gpu=True)
     off = two_turns(adapter, False, tokens(PROMPT), 100, reset_gpu=True)
     assert (on.hit, off.hit) == (416, 384)
@@ -91,7 +99,8 @@ def test_answer_crossing_a_mamba_block_end(plugin, adapter):
 def test_answer_ending_on_a_unit_boundary(plugin, adapter):
     """33 output tokens: the last step computes up to 352 exactly; no later allocation copies
     that state out, so the running block itself is handed to the connector (CPU hit 352, not 336)."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on = two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=True)
     assert (on.hit, on.external, on.max_answer_states, on.answer_states_left) == (352, 352, 1, 1)
     assert two_turns(adapter, True, tokens(PROMPT), 33, reset_gpu=False, connector=False).hit == 352
@@ -108,7 +117,8 @@ def test_attention_block_coarser_than_the_unit(plugin, adapter):
     block, which the wheel keys only at its end. Patch prompt_tail_attention keys it at 336 and the
     connector stores that block with the state (patch output_checkpoint_offload; the 0.29 backport
     itself), so B reuses 336 from either tier (before: 320, the option kept nothing here)."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on = two_turns(adapter, True, tokens(PROMPT), 30, reset_gpu=True, geometry=COARSE)
     off = two_turns(adapter, False, tokens(PROMPT), 30, reset_gpu=True, geometry=COARSE)
     assert (on.hit, on.external, off.hit, off.external) == (336, 336, 320, 320)
@@ -123,7 +133,8 @@ def test_attention_block_coarser_than_the_unit(plugin, adapter):
 def test_attention_block_coarser_answer_past_a_block_end(plugin, adapter):
     """A = 320 + 50 (369 computed): 336, then the wheel's own block end 352, then 368 (inside the
     next attention block) - B reuses 368 instead of 352."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     on = two_turns(adapter, True, tokens(PROMPT), 50, reset_gpu=True, geometry=COARSE)
     off = two_turns(adapter, False, tokens(PROMPT), 50, reset_gpu=True, geometry=COARSE)
     assert (on.hit, on.external, off.hit) == (368, 368, 352)
@@ -149,7 +160,8 @@ def test_engine_geometry_under_retention_0(plugin, adapter):
     """As tests/engine/test_output_checkpoint_engine.py on the real engine: K = 30 (last boundary 336,
     inside an attention block), 33 (352, a Mamba block end retention 0 never hashes during decode:
     patch prompt_tail_retention names it, 0.30+), 50 (368, past that block end)."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     measured = {}
     for output in (30, 33, 50):
         on = two_turns(adapter, True, tokens(PROMPT), output, reset_gpu=True, geometry=ENGINE)
@@ -162,7 +174,8 @@ def test_idle_engine_holds_no_block_after_the_answer(plugin, adapter):
     """The real engine's case (issue #29): a 448-token prompt and 30 tokens (477 computed) on the engine
     geometry: the answer's attention block keyed at 464 is stored at finish. The engine stops stepping
     once the request has left (in-process LLM.generate), and reset_prefix_cache() must still succeed."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     run = turn_engine(adapter, True, ENGINE)
     engine = run.engine
     pool = engine.gpu_block_pool
@@ -200,7 +213,8 @@ def test_queued_answer_store_is_sent_unless_its_block_was_reused(plugin, adapter
     """Without a reset, the next step sends the queued store (the CPU tier gains the answer's block keyed
     at 464); a block evicted from the GPU prefix cache before that step is dropped from the store and no
     CPU block stays reserved for it."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     run, engine, manager, queued = _answer_then_idle(adapter)
     cpu = manager.cpu_block_pool
     cached = len(cpu.cached_block_hash_to_block)
@@ -219,7 +233,8 @@ def test_queued_answer_store_is_sent_unless_its_block_was_reused(plugin, adapter
 
 @pytest.mark.both_schedulers
 def test_chunked_prefill(plugin, adapter, scheduling):
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     geometry = HybridGeometry(max_num_batched_tokens=128)
     on = _turns(adapter, True, reset_gpu=True, geometry=geometry)
     off = _turns(adapter, False, reset_gpu=True, geometry=geometry)
@@ -230,7 +245,8 @@ def test_chunked_prefill(plugin, adapter, scheduling):
 def test_eagle_block_drop_keeps_one_unit_lower(plugin, adapter):
     """The drafter drops the last matched unit (as for the prompt tail): B lands on 336, which
     the option keeps next to 352 - two answer states per running request under EAGLE."""
-    _needs_supported(adapter)
+    if _refused_here(adapter):
+        return
     geometry = HybridGeometry(eagle=True, extra_speculative_config=eagle_block_drop_options(adapter))
     on = _turns(adapter, True, reset_gpu=True, geometry=geometry)
     off = _turns(adapter, False, reset_gpu=True, geometry=geometry)
@@ -300,8 +316,20 @@ DEFAULT_REPLAY = {
 }
 
 
+def _replay_refused(adapter, segments) -> bool:
+    """On 0.26-0.28 the replay configuration is refused as start-up refuses it (asserted): True."""
+    if adapter.output_checkpoint_supported:
+        return False
+    assert replay(segments, ReplaySettings(), CONFIGS["plugin+output-checkpoint"]).refused == (
+        "invalid hybrid-kv-plugin configuration: hybrid_kv.mamba_output_checkpoint: true needs "
+        f"vLLM >= 0.29.0 and this is vLLM {adapter.version} (allowed here: false)"
+    )
+    return True
+
+
 def test_replay_default_workload(adapter):
-    _needs_supported(adapter)
+    if _replay_refused(adapter, default_workload()):
+        return
     plugin = replay(default_workload(), ReplaySettings(), CONFIGS["plugin"])
     checkpoint = replay(default_workload(), ReplaySettings(), CONFIGS["plugin+output-checkpoint"])
     plugin_efficiency, efficiency, no_state = DEFAULT_REPLAY[adapter.version]
@@ -314,8 +342,9 @@ def test_replay_five_turn_conversation(adapter):
     """4 conversations x 5 turns (answers 45-210 tokens, GPU cache evicted before turns 3 and 5):
     every previous answer is reused but 16 tokens, one answer whose prompt + answer ends on a
     unit boundary (its last token is never computed, so its state is one unit lower)."""
-    _needs_supported(adapter)
     segments = load_trace(TRACE.read_text().splitlines())
+    if _replay_refused(adapter, segments):
+        return
     results = {name: replay(segments, ReplaySettings(), CONFIGS[name])
                for name in ("stock", "plugin", "plugin+output-checkpoint")}
     assert {n: round(r.efficiency, 4) for n, r in results.items()} == {

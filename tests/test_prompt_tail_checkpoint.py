@@ -29,14 +29,19 @@ REPLAY_ROW = [304, 320, 352, 480]
 PROMPT_ROW = [320, 336, 368, 496]
 OLD_WHEELS = ("0.29.0", "0.30.0", "0.31.0")
 NEW_WHEELS = ("0.32.0", "0.33.0")
-# The wheel's own rows (the issue's table); a chunked prompt loses its last chunk on 0.29-0.31.
+# 0.26-0.28 refuse replay/both; their native rows are asserted as well (0.26/0.27 keep
+# Mamba block ends of an exact replay, 0.28 keeps none: the 0.29-0.31 row).
+OLDEST_WHEELS = ("0.26.0", "0.27.1")
+# The wheel's own rows (the issue's table); a chunked prompt loses its last chunk on 0.28-0.31.
 NATIVE = {
     "fa16-mamba64": {
-        **{v: {EXACT: [0, 0, 0, 0], CONTINUED: PROMPT_ROW} for v in OLD_WHEELS},
+        **{v: {EXACT: [0, 320, 320, 448], CONTINUED: PROMPT_ROW} for v in OLDEST_WHEELS},
+        **{v: {EXACT: [0, 0, 0, 0], CONTINUED: PROMPT_ROW} for v in ("0.28.0", *OLD_WHEELS)},
         **{v: {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]} for v in NEW_WHEELS},
     },
     "fa16-mamba64-chunk128": {
-        **{v: {EXACT: [256, 256, 256, 384], CONTINUED: PROMPT_ROW} for v in OLD_WHEELS},
+        **{v: {EXACT: [256, 320, 320, 448], CONTINUED: PROMPT_ROW} for v in OLDEST_WHEELS},
+        **{v: {EXACT: [256, 256, 256, 384], CONTINUED: PROMPT_ROW} for v in ("0.28.0", *OLD_WHEELS)},
         **{v: {EXACT: REPLAY_ROW, CONTINUED: [320, 320, 352, 480]} for v in NEW_WHEELS},
     },
 }
@@ -53,30 +58,37 @@ def _supported(adapter) -> bool:
     return adapter.prompt_tail_checkpoint_supported
 
 
+def _refused_here(adapter, mode: str = "both", geometry: HybridGeometry | None = None) -> bool:
+    """On a wheel without replay/both, building with ``mode`` stops start-up (asserted): True, nothing more to run."""
+    if _supported(adapter):
+        return False
+    with pytest.raises(PluginConfigError, match=rf"hybrid_kv\.prompt_tail_checkpoint: '{mode}' needs vLLM >= 0\.29\.0"):
+        tail_engine(adapter, mode, geometry)
+    return True
+
+
 def _row(adapter, mode: str, kind: str, geometry: HybridGeometry) -> list[int]:
     return [cold_replay(adapter, mode, tokens(n), kind, geometry).hit for n in PROMPTS]
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_both_serves_exact_replays_and_continuations(plugin, adapter, geometry):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (start-up refusal tested below)")
+    if _refused_here(adapter, "both", GEOMETRIES[geometry]):
+        return
     assert _row(adapter, "both", EXACT, GEOMETRIES[geometry]) == BOTH[EXACT]
     assert _row(adapter, "both", CONTINUED, GEOMETRIES[geometry]) == BOTH[CONTINUED]
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_replay_is_the_0_33_position(plugin, adapter, geometry):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (start-up refusal tested below)")
+    if _refused_here(adapter, "replay", GEOMETRIES[geometry]):
+        return
     assert _row(adapter, "replay", EXACT, GEOMETRIES[geometry]) == REPLAY[geometry][EXACT]
     assert _row(adapter, "replay", CONTINUED, GEOMETRIES[geometry]) == REPLAY[geometry][CONTINUED]
 
 
 @pytest.mark.parametrize("geometry", sorted(NATIVE))
 def test_native_is_the_wheel_row(plugin, adapter, geometry):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+ (this wheel's continuation row is in test_cpu_offload_table)")
     expected = NATIVE[geometry][adapter.version]
     assert _row(adapter, "native", EXACT, GEOMETRIES[geometry]) == expected[EXACT]
     assert _row(adapter, "native", CONTINUED, GEOMETRIES[geometry]) == expected[CONTINUED]
@@ -111,6 +123,8 @@ def test_native_schedules_like_stock(adapter):
 # Mamba states it leaves cached on the GPU (= stored on the CPU tier).
 COST = {
     "native": {
+        **{v: ([1, 2, 2, 2], [1, 2, 2, 2]) for v in OLDEST_WHEELS},
+        "0.28.0": ([1, 1, 1, 1], [1, 1, 1, 1]),
         **{v: ([1, 1, 1, 1], [1, 1, 1, 1]) for v in OLD_WHEELS},
         **{v: ([2, 2, 2, 2], [2, 1, 1, 1]) for v in NEW_WHEELS},
     },
@@ -121,8 +135,8 @@ COST = {
 
 @pytest.mark.parametrize("mode", sorted(COST))
 def test_cost_steps_and_states(plugin, adapter, mode):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    if mode != "native" and _refused_here(adapter, mode):
+        return
     runs = [cold_replay(adapter, mode, tokens(n), CONTINUED) for n in PROMPTS]
     steps, states = COST[mode][adapter.version]
     assert [r.prefill_steps for r in runs] == steps
@@ -172,9 +186,9 @@ EAGLE_BOTH = {
 
 
 def test_both_under_eagle_shifts_as_the_wheel_does(plugin, adapter):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
     geometry = HybridGeometry(eagle=True, extra_speculative_config=eagle_block_drop_options(adapter))
+    if _refused_here(adapter, "both", geometry):
+        return
     assert _row(adapter, "both", EXACT, geometry) == EAGLE_BOTH[adapter.version][EXACT]
     assert _row(adapter, "both", CONTINUED, geometry) == EAGLE_BOTH[adapter.version][CONTINUED]
 
@@ -195,23 +209,29 @@ ENGINE_PROMPTS = (336, 448)
 # native on 0.32+: the <= N-1 state serves both kinds.
 ENGINE_BOTH = {336: (320, 336), 448: (432, 448)}
 ENGINE_NATIVE_NEW = {336: (320, 320), 448: (432, 432)}
+# The wheel alone at the engine geometry: 0.26-0.28 keep N (their exact replay of 448 finds
+# nothing: the lookup stops one unit short of the block end it needs), 0.29-0.31 keep no
+# state at the block end 448 under retention 0.
+ENGINE_NATIVE = {
+    **{v: {336: (320, 336), 448: (0, 448)} for v in (*OLDEST_WHEELS, "0.28.0")},
+    **{v: {336: (320, 336), 448: (0, 0)} for v in OLD_WHEELS},
+    **{v: ENGINE_NATIVE_NEW for v in NEW_WHEELS},
+}
 
 
 def test_engine_geometry_both(plugin, adapter):
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    if _refused_here(adapter, "both", ENGINE):
+        return
     measured = {n: tuple(cold_replay(adapter, "both", tokens(n), kind, ENGINE).hit for kind in (EXACT, CONTINUED))
                 for n in ENGINE_PROMPTS}
     on_grid_continuation = 448 if adapter.mamba_retention_keeps_replay_boundaries else 432
     assert measured == {**ENGINE_BOTH, 448: (432, on_grid_continuation)}
 
 
-def test_engine_geometry_native_on_new_wheels(plugin, adapter):
-    if adapter.version not in NEW_WHEELS:
-        pytest.skip("the 0.32+ native row (0.29-0.31 keep N; covered by test_native_is_the_wheel_row)")
+def test_engine_geometry_native(plugin, adapter):
     measured = {n: tuple(cold_replay(adapter, "native", tokens(n), kind, ENGINE).hit for kind in (EXACT, CONTINUED))
                 for n in ENGINE_PROMPTS}
-    assert measured == ENGINE_NATIVE_NEW
+    assert measured == ENGINE_NATIVE[adapter.version]
 
 
 # With A's blocks still on the GPU: (hit, the part of it the CPU tier added) per kind. The
@@ -222,8 +242,8 @@ ENGINE_BOTH_GPU = {336: ((320, 0), (336, 16)), 448: ((432, 16), (448, 0))}
 
 def test_engine_geometry_both_without_a_gpu_reset(plugin, adapter):
     """The continuation at N = 448 is served by the GPU prefix cache alone (nothing from the CPU tier)."""
-    if not _supported(adapter):
-        pytest.skip(f"vLLM {adapter.version}: prompt_tail_checkpoint needs 0.29+")
+    if _refused_here(adapter, "both", ENGINE):
+        return
     measured = {n: tuple(gpu_replay(adapter, "both", tokens(n), kind, ENGINE) for kind in (EXACT, CONTINUED))
                 for n in ENGINE_PROMPTS}
     if adapter.mamba_retention_keeps_replay_boundaries:

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from hybrid_kv_plugin.adapters import Feature, Support
+from hybrid_kv_plugin.adapters import Feature, Support, select_adapter
 from hybrid_kv_plugin.connector_names import STOCK_CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim.engine import default_scheduling
@@ -62,8 +62,9 @@ settings.register_profile(
 )
 PROFILE = os.environ.get("HYBRID_KV_RELIABILITY_PROFILE", "reliability-ci")
 CI_PROFILES = ("reliability-ci", "reliability-ci-noshrink")
-VARIANTS = ("stock", "plugin", "plugin-lazy", "plugin-fa32", "passthrough-full-attention", "plugin-tail-both",
-            "plugin-output-checkpoint", "plugin-output-checkpoint-fa32")
+# The variants this wheel offers (soak.harness.variants): an option the wheel refuses at start-up
+# has no variant here; its refusal is asserted in the option's own test module.
+VARIANTS = tuple(v.name for v in variants(select_adapter().adapter))
 # Minimum (loads, failed loads, preemptions, partial attention tails) per variant on the CI
 # profile. Failed loads only where the wheel can be told a load failed (see
 # ``load_failures_reportable``); partial tails only where the attention block is coarser
@@ -210,6 +211,10 @@ def expected_floors(adapter, variant, async_scheduling: bool = False) -> dict[st
         # Known gap: with its 4x answers this variant's CI budget reaches no failed load on
         # 0.31/0.32 (20 loads, 0 failed); failed loads are covered by the other variants.
         floors["failed_loads"] = 0
+    if variant.name == "plugin-divergence":
+        # Its CI budget reaches no failed load on 0.33 (18 loads under Scheduler, 8 under async,
+        # 0 failed); its fa64 sibling reaches 18 failed of 55, and the 10,000-step soak both.
+        floors["failed_loads"] = 0
     if not variant.attention_block_size:
         floors["partial_tails"] = 0
     if variant.full_attention_only or hash_block_size_for(adapter, variant) > HASH_BLOCK_SIZE:
@@ -230,9 +235,7 @@ def test_randomized_faults_keep_invariants_under_async_scheduling(request, plugi
 
 
 def _run_variant(adapter, summary, name, label, async_scheduling):
-    variant = next((v for v in variants(adapter) if v.name == name), None)
-    if variant is None:
-        pytest.skip(f"vLLM {adapter.version} offers no variant {name!r} (prompt_tail_checkpoint and mamba_output_checkpoint need 0.29+)")
+    variant = next(v for v in variants(adapter) if v.name == name)
     tally = summary.tallies.setdefault(label, Tally())
     machine = type(f"FaultMachine[{name}]", (FaultMachine,), {"adapter": adapter, "variant": variant, "tally": tally})
     profile = settings.get_profile(PROFILE)

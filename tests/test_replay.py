@@ -238,7 +238,11 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
     assert console_main(["replay", "--trace", str(bad)]) == 2
     assert capsys.readouterr().err == f"hybrid-kv: --trace {bad}: trace line 1: empty prompt\n"
     assert console_main(["replay", "--configs", "stock,fast"]) == 2
-    assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,fast': allowed: stock, plugin, plugin+junction, plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+divergence\n"
+    assert capsys.readouterr().err == (
+        "hybrid-kv: --configs 'stock,fast': allowed: stock, stock+retain-0, stock+retain-unit, stock+retain-4units, "
+        "stock+retain-block, stock+retain-2blocks, stock+retain-4blocks, stock+shared-prefix, plugin, plugin+junction, "
+        "plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+divergence\n"
+    )
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path, capsys):
@@ -310,11 +314,11 @@ def test_progress_bar_draws_only_on_a_terminal():
 def test_progress_lines_every_tenth_when_not_a_terminal():
     from hybrid_kv_plugin.cli.progress import Progress
 
-    now = iter([0.0, 4.0, 20.0, 20.0])
+    now = iter([0.0, 2.0, 4.0, 20.0, 20.0])
     log = io.StringIO()
     progress = Progress(40, stream=log, lines=True, clock=lambda: next(now))
     progress.start("stock")
-    progress.update(3)  # under 10 %: nothing yet
+    progress.update(3)  # under 10 % and under a minute: nothing yet
     progress.update(10)  # crosses 10 % and 20 %: one line
     progress.start("plugin [2/2]", 1)  # a run of its own: "1/1" for a one-request run
     progress.update(1)
@@ -322,3 +326,24 @@ def test_progress_lines_every_tenth_when_not_a_terminal():
         "stock: 10/40 requests (20%), 4s elapsed, ETA 12s",
         "plugin [2/2]: 1/1 requests (100%), 0s elapsed, ETA 0s",
     ]
+
+
+def test_progress_line_at_least_every_minute_between_tenths(mocker):
+    """A full trace spends minutes per 10 %: a quiet minute gets a line with the exact share and ETA."""
+    from hybrid_kv_plugin.cli.progress import Progress
+
+    clock = mocker.Mock(side_effect=[100.0, 100.0, 130.0, 161.0, 190.0, 222.0, 290.0])
+    log = io.StringIO()
+    progress = Progress(12_031, stream=log, lines=True, clock=clock)
+    progress.start("stock [1/2]", 12_031)
+    progress.update(100)  # 30 s: quiet
+    progress.update(250)  # 61 s since the start: a line
+    progress.update(400)  # 29 s since that line: quiet
+    progress.update(1_204)  # crosses 10 %: a line
+    progress.update(1_300)  # 68 s after it: a line
+    assert log.getvalue().splitlines() == [
+        "stock [1/2]: 250/12031 requests (2%), 61s elapsed, ETA 2875s",
+        "stock [1/2]: 1204/12031 requests (10%), 122s elapsed, ETA 1097s",
+        "stock [1/2]: 1300/12031 requests (10%), 190s elapsed, ETA 1568s",
+    ]
+    assert clock.call_count == 7

@@ -7,3 +7,6 @@ CONNECTOR_MODULE = "hybrid_kv_plugin.connector.simple_cpu"
 CONNECTOR_CLASS = "HybridSimpleCPUConnector"
 # The wheel's own SimpleCPU connector, which ``HybridSimpleCPUConnector`` subclasses.
 STOCK_CONNECTOR_NAME = "SimpleCPUOffloadConnector"
+# The same connector with a Mooncake store behind its CPU tier (optional extra ``mooncake``).
+STORE_CONNECTOR_NAME = "HybridMooncakeStoreConnector"
+STORE_CONNECTOR_MODULE = "hybrid_kv_plugin.mooncake_store.connector"

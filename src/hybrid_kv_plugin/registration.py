@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 from hybrid_kv_plugin._log import forget_logged, log_once
 from hybrid_kv_plugin.config import ENV_DISABLE, plugin_disabled
-from hybrid_kv_plugin.connector_names import CONNECTOR_CLASS, CONNECTOR_MODULE, CONNECTOR_NAME
+from hybrid_kv_plugin.connector_names import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    STORE_CONNECTOR_MODULE,
+    STORE_CONNECTOR_NAME,
+)
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters import AdapterSelection, VllmAdapter
@@ -159,6 +165,8 @@ def _register_connector() -> bool:
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return False
     KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    # Imported only when named: without the `mooncake` extra it refuses at start-up, naming it.
+    KVConnectorFactory.register_connector(STORE_CONNECTOR_NAME, STORE_CONNECTOR_MODULE, STORE_CONNECTOR_NAME)
     return True
 
 
@@ -171,6 +179,7 @@ def uninstall_plugin() -> None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
             KVConnectorFactory._registry.pop(CONNECTOR_NAME, None)
+            KVConnectorFactory._registry.pop(STORE_CONNECTOR_NAME, None)
         STATE.status, STATE.reason, STATE.role = Status.UNREGISTERED, "", ""
         STATE.adapter = STATE.patch_set = None
         STATE.registered_connector = False

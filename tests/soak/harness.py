@@ -98,6 +98,14 @@ def variants(adapter: Any) -> list[Variant]:
             if adapter.output_checkpoint_supported
             else []
         ),
+        *(
+            [Variant("plugin-divergence", CONNECTOR_NAME, opt_out, plugin_options=(("mamba_divergence_checkpoint", True),)),
+             # Attention block = Mamba block (align mode's geometry): blocks keyed at every unit.
+             Variant("plugin-divergence-fa64", CONNECTOR_NAME, opt_out, attention_block_size=64,
+                     plugin_options=(("mamba_divergence_checkpoint", True),))]
+            if adapter.divergence_checkpoint_supported
+            else []
+        ),
     ]
 
 

@@ -99,6 +99,9 @@ class VllmAdapter:
     # step runs no forward pass (0.26-0.28 from get_finished, 0.30+ natively); the 0.29
     # worker submits only from wait_for_save.
     simplecpu_worker_submits_without_forward: ClassVar[bool] = False
+    # The SimpleCPU scheduler method that registers copied blocks in the CPU pool under their
+    # hashes, (gpu_block_ids, cpu_block_ids, ...); the Mooncake store tier writes after it (0.26-0.33).
+    simplecpu_store_completion_hook: ClassVar[str] = "_process_store_completion"
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
     has_native_simplecpu_metrics: ClassVar[bool] = False
     # The engine core asks workers for the aligned CPU block count only when a connector

@@ -9,9 +9,14 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 CONFIG_NAMES = (
-    "stock", "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both", "plugin+output-checkpoint",
+    "stock", "stock+retain-0", "stock+retain-unit", "stock+retain-4units", "stock+retain-block",
+    "stock+retain-2blocks", "stock+retain-4blocks", "stock+shared-prefix",
+    "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both", "plugin+output-checkpoint",
     "plugin+divergence",
 )
+# Stock at its best, in every default run: its retention knob at 0, the unit and the Mamba
+# block, and its native shared-prefix checkpoint (a row vLLM refuses costs no run).
+DEFAULT_STOCK_CONFIGS = ("stock", "stock+retain-0", "stock+retain-unit", "stock+retain-block", "stock+shared-prefix")
 COLD_REPLAY_CONFIGS = ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
 
 
@@ -86,7 +91,7 @@ def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool
     if names is None and cold_replay:
         chosen = list(COLD_REPLAY_CONFIGS)
     elif names is None:
-        chosen = ["stock", "plugin"]
+        chosen = [*DEFAULT_STOCK_CONFIGS, "plugin"]
         if any(s.eagle for s in segments):
             chosen.append("plugin+junction")
     else:

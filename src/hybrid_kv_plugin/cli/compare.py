@@ -19,7 +19,18 @@ _COMPARE_ROWS = (
     ("efficiency", lambda r: f"{r['efficiency']:.3f}"),
     ("reused / reachable", lambda r: _fmt(r.get("efficiency_of_reachable"))),
     ("scheduler steps", lambda r: r["steps"]),
+    # Mamba states kept (peak / mean cached state blocks); "-" in reports saved before they were counted.
+    ("Mamba states GPU peak/mean", lambda r: _states(r, "gpu")),
+    ("Mamba states CPU peak/mean", lambda r: _states(r, "cpu")),
+    ("prefill chunks / request", lambda r: (r.get("mamba_states") or {}).get("prefill_chunks_per_request", "-")),
 )
+
+_STATE_ROWS = {label for label, _ in _COMPARE_ROWS[-3:]}
+
+
+def _states(row: dict, tier: str) -> str:
+    counts = (row.get("mamba_states") or {}).get(tier)
+    return "-" if counts is None else f"{counts['peak']}/{counts['mean']:g}"
 
 
 def render_comparison(paths: Sequence[str], out: TextIO) -> int:
@@ -51,6 +62,8 @@ def render_comparison(paths: Sequence[str], out: TextIO) -> int:
     for label, get in rows:
         values = [("refused" if "refused" in r else get(r)) for _, _, r in columns]
         if label.startswith("lost: ") and all(v in (0, "-", "refused") for v in values):
+            continue
+        if label in _STATE_ROWS and all(v in ("-", "refused") for v in values):
             continue
         lines.append(f"{label:<{width}}" + _grouped([str(v) for v in values], groups, cell))
     out.write("".join(line.rstrip() + "\n" for line in lines))

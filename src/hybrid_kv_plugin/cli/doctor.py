@@ -30,6 +30,8 @@ class DoctorReport:
     # Where the prefix-match unit equals a large hybrid block: the finest unit vLLM accepts, and its cost.
     unit_advice: dict[str, Any] | None = None
     environment_errors: list[str] = field(default_factory=list)  # malformed HYBRID_KV_* variables
+    # HybridMooncakeStoreConnector: whether it can start here (its store client imports), and why not.
+    mooncake_store: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -64,6 +66,9 @@ def collect(serve_args: list[str] | None = None) -> DoctorReport:
     from hybrid_kv_plugin.patches import planned_patches
 
     report.features = _feature_rows(adapter)
+    from hybrid_kv_plugin.mooncake_store.options import doctor_row
+
+    report.mooncake_store = doctor_row()
     report.patches = [
         {
             "name": p.spec.name,
@@ -193,6 +198,9 @@ def render(report: DoctorReport, out: TextIO) -> None:
         w("\nfeature                                                                   support      reason\n")
         for f in report.features:
             w(f"{f['title']:<73} {f['support']:<12} {f['reason']}\n      {f['feature']}: {f['option']}\n")
+    if report.mooncake_store is not None:
+        m = report.mooncake_store
+        w(f"\n{m['title']:<73} {m['support']:<12} {m['reason']}\n      {m['feature']}: {m['option']}\n")
     if report.patches:
         w("\npatches installed by register() (each process installs its sides' patches), by what they serve:\n")
         for key, title in _patch_groups(report):

@@ -8,7 +8,8 @@ from typing import Any, TextIO
 
 class Progress:
     """A redrawn bar with an ETA on a terminal; elsewhere (``lines=True``) a line each time the
-    run passes another 10 % (one line per update), so a log file stays readable.
+    run passes another 10 % (one line per update), so a log file stays readable, and one at
+    least every ``every_s`` seconds in between (a full trace runs for minutes per 10 %).
 
     ``start(label, total)`` begins a run of its own (``replay``: one per configuration, so a
     one-request trace reads "1/1" and the ETA is the configuration's); ``start(label)`` goes on
@@ -22,6 +23,7 @@ class Progress:
         enabled: bool | None = None,
         lines: bool = False,
         clock: Any = None,
+        every_s: float = 60.0,
     ) -> None:
         import time
 
@@ -34,6 +36,8 @@ class Progress:
         self.base = 0
         self.label = ""
         self.next_tenth = 1
+        self.every_s = every_s
+        self.last_line = self.started
 
     def start(self, label: str, total: int | None = None) -> None:
         self.label = label
@@ -42,9 +46,10 @@ class Progress:
             self.base = 0
             self.next_tenth = 1
             self.started = self.clock()
+            self.last_line = self.started
 
-    def _eta(self, done: int) -> str:
-        elapsed = self.clock() - self.started
+    def _eta(self, done: int, now: float | None = None) -> str:
+        elapsed = (self.clock() if now is None else now) - self.started
         if done <= 0:
             return f"{elapsed:.0f}s elapsed"
         left = elapsed * (self.total - done) / done
@@ -54,10 +59,17 @@ class Progress:
         done = self.base + done_in_run
         if self.lines:
             tenth = min(10, done * 10 // self.total)
+            now = self.clock()
             if tenth >= self.next_tenth:  # one line however many tenths this update crossed
-                self.stream.write(f"{self.label}: {done}/{self.total} requests ({tenth * 10}%), {self._eta(done)}\n")
-                self.stream.flush()
+                percent = tenth * 10
                 self.next_tenth = tenth + 1
+            elif now - self.last_line >= self.every_s:  # a quiet stretch: a line with the exact share
+                percent = done * 100 // self.total
+            else:
+                return
+            self.stream.write(f"{self.label}: {done}/{self.total} requests ({percent}%), {self._eta(done, now)}\n")
+            self.stream.flush()
+            self.last_line = now
             return
         if not self.enabled:
             return

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hybrid_kv_plugin.cli import replay_inputs
 
     replay_inputs.add_arguments(parser)
+    from hybrid_kv_plugin.cli import cluster
+
+    cluster.add_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")
     out.add_argument("--per-request", action="store_true", help="with --json: every request's ideal, reuse and loss")
@@ -90,6 +93,10 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         from hybrid_kv_plugin.cli.compare import render_comparison
 
         return render_comparison(args.compare, out)
+    from hybrid_kv_plugin.cli import cluster
+
+    if cluster.requested(args):  # --engines N > 1: the cluster runner (cli/cluster.py)
+        return cluster.run_cluster_command(args, out)
     started = _wall()
     from hybrid_kv_plugin.cli import replay_inputs as inputs
 
@@ -104,17 +111,8 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     segments = load_segments(args)
     settings = settings_from(args)
     configs = choose_configs(args.configs, segments, cold_replay=args.cold_replay)
-    pool_notes: list[str] = []
     try:
-        inputs.check_serve_line(args)
-        model = inputs.resolve_model(args)
-        if model is not None:
-            settings = settings_for_model(settings, model, args)
-        segments, refused = inputs.refuse_too_long(
-            segments, settings.max_model_len or inputs.DEFAULT_MAX_MODEL_LEN, strict=args.strict
-        )
-        if model is not None:
-            settings, pool_notes = inputs.cap_pools(settings, model, segments)
+        model, settings, segments, refused, pool_notes = prepare_inputs(args, settings, segments)
         next_steps = inputs.next_steps(settings, model, args)
     except inputs.InputError as exc:
         raise SystemExit(str(exc)) from None
@@ -143,7 +141,7 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     progress.close()
     from hybrid_kv_plugin.cli.report import build_report, render_report
 
-    report = build_report(segments, settings, results, per_request=args.per_request)
+    report = build_report(segments, settings, results, per_request=args.per_request, model=model)
     report["startup_s"] = round(startup, 1)
     for row, timing in zip(report["results"], timings):
         row["timing"] = timing
@@ -201,6 +199,25 @@ def _timing(seconds: float, requests: int, steps: int) -> dict[str, Any]:
         "steps_per_s": round(steps / seconds, 1) if seconds else None,
         "peak_rss_mib": round(peak_kib / 1024),
     }
+
+
+def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any]) -> tuple[Any, Any, list[Any], dict[str, int], list[str]]:
+    """The serve line checked as start-up checks it, the model resolved, the requests vLLM would
+    refuse left out and the pools capped: (model, settings, segments, refused, pool notes).
+    Raises ``InputError`` with the one-line message."""
+    from hybrid_kv_plugin.cli import replay_inputs as inputs
+
+    inputs.check_serve_line(args)
+    model = inputs.resolve_model(args)
+    if model is not None:
+        settings = settings_for_model(settings, model, args)
+    segments, refused = inputs.refuse_too_long(
+        segments, settings.max_model_len or inputs.DEFAULT_MAX_MODEL_LEN, strict=args.strict
+    )
+    pool_notes: list[str] = []
+    if model is not None:
+        settings, pool_notes = inputs.cap_pools(settings, model, segments)
+    return model, settings, segments, refused, pool_notes
 
 
 def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> Any:

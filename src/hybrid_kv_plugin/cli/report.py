@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 
-def build_report(segments: Sequence[Any], settings: Any, results: Sequence[Any], per_request: bool = False) -> dict:
+def build_report(
+    segments: Sequence[Any], settings: Any, results: Sequence[Any], per_request: bool = False, model: Any = None
+) -> dict:
+    """``model``: the resolved model geometry, if any (it prices a Mamba state in bytes)."""
     from dataclasses import asdict
 
     from hybrid_kv_plugin import __version__
@@ -22,7 +25,44 @@ def build_report(segments: Sequence[Any], settings: Any, results: Sequence[Any],
     conversation = [s.conversation for s in segments if getattr(s, "conversation", None) is not None]
     if conversation:
         report["conversation"] = conversation[0].as_dict()
+    # A run on a resolved model prices states only when given the model (the sim's page is not its state).
+    priced = model is not None or settings.max_model_len is None
+    add_state_costs(report, model.as_dict() if model is not None else None, priced=priced)
     return report
+
+
+def mamba_state_bytes(settings: dict, model: dict | None) -> int:
+    """Bytes one Mamba state occupies: a page per Mamba layer of the resolved model; without a
+    model, the simulator's own (one Mamba layer whose state fills one attention page)."""
+    if model is not None:
+        return model["mamba_layers"] * model["page_bytes"]
+    from hybrid_kv_plugin.sim.geometry import HybridGeometry
+
+    return HybridGeometry(attention_block_size=settings["attention_block_size"]).attention_page_bytes
+
+
+def add_state_costs(report: dict, model: dict | None, priced: bool = True) -> None:
+    """Price each configuration's kept Mamba states (``mamba_states``) in bytes (``priced``),
+    and its prefill chunks per request against ``stock``'s in the same run
+    (``extra_chunks_per_request``)."""
+    state_bytes = mamba_state_bytes(report["settings"], model) if priced else 0
+    report["mamba_state_bytes"] = state_bytes or None
+    rows = [r for r in report["results"] if r.get("mamba_states")]
+    baseline = next((r["mamba_states"]["prefill_chunks_per_request"] for r in rows if r["name"] == "stock"), None)
+    for row in rows:
+        states = row["mamba_states"]
+        for tier in ("gpu", "cpu"):
+            if tier in states and state_bytes:
+                states[tier]["peak_bytes"] = states[tier]["peak"] * state_bytes
+                states[tier]["mean_bytes"] = round(states[tier]["mean"] * state_bytes)
+        if baseline is not None:
+            states["extra_chunks_per_request"] = round(states["prefill_chunks_per_request"] - baseline, 3)
+
+
+def best_stock(results: Sequence[dict]) -> dict | None:
+    """The ``stock…`` configuration that reused the most (stock at its best in this run)."""
+    stock = [r for r in results if r["name"].startswith("stock") and "refused" not in r]
+    return max(stock, key=lambda r: r["reused_tokens"]) if stock else None
 
 
 def render_report(report: dict, out: TextIO) -> None:
@@ -90,6 +130,10 @@ def _render_details(report: dict, ran: list[dict], w: Any) -> None:
     w(row.format("hits from the GPU cache", *(f"{_share(r['reused_gpu_tokens'], r['prompt_tokens'])}" for r in ran)))
     w(row.format("hits from the CPU tier", *(f"{_share(r['reused_cpu_tokens'], r['prompt_tokens'])}" for r in ran)))
     w("  (share of all prompt tokens)\n")
+    best = best_stock(ran)
+    if best is not None and len(ran) > 1:
+        w(row.format("reused / best stock", *(_ratio(r["reused_tokens"], best["reused_tokens"]) for r in ran)))
+        w(f"  (stock at its best in this run: {best['name']}, at the same GPU and CPU memory)\n")
     if all("ttft_steps" in r for r in ran):
         w(row.format("TTFT steps mean / p90", *(f"{r['ttft_steps']['mean']:.1f} / {r['ttft_steps']['p90']}" for r in ran)))
     if all("timing" in r for r in ran):
@@ -99,6 +143,8 @@ def _render_details(report: dict, ran: list[dict], w: Any) -> None:
         w(row.format("peak RSS MiB (process)", *(r["timing"]["peak_rss_mib"] for r in ran)))
         if "startup_s" in report:
             w(f"  (wall s is each configuration's own run; start-up before the first: {report['startup_s']} s)\n")
+    if all(r.get("mamba_states") for r in ran):
+        _render_states(report, ran, row, w)
     if len(report["segments"]) > 1:
         w("\nefficiency by segment\n")
         for i, seg in enumerate(report["segments"]):
@@ -131,3 +177,30 @@ def _render_details(report: dict, ran: list[dict], w: Any) -> None:
 
 def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.3f}" if whole else "-"
+
+
+def _render_states(report: dict, ran: list[dict], row: str, w: Any) -> None:
+    model = report.get("model_geometry")
+    state_bytes = mamba_state_bytes(report["settings"], model) if model else report.get("mamba_state_bytes")
+    state_bytes = state_bytes or mamba_state_bytes(report["settings"], None)
+    states = [r["mamba_states"] for r in ran]
+    w(f"\nMamba states kept (cached state blocks, sampled as requests finish; {_bytes(state_bytes)} a state)\n")
+    for tier, label in (("gpu", "GPU prefix cache"), ("cpu", "CPU tier")):
+        if not all(tier in s for s in states):
+            continue
+        w(row.format(f"  {label} peak / mean", *(f"{s[tier]['peak']} / {s[tier]['mean']:g}" for s in states)))
+        w(row.format(f"  {label} peak bytes", *(_bytes(s[tier]["peak"] * state_bytes) for s in states)))
+    w(row.format("  prefill chunks / request", *(f"{s['prefill_chunks_per_request']:.3f}" for s in states)))
+    if all("extra_chunks_per_request" in s for s in states):
+        w(row.format("  extra chunks / request vs stock", *(f"{s['extra_chunks_per_request']:+.3f}" for s in states)))
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -50,6 +50,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 ZEROED = 0
 POISONED = -1
 _MAX_END = (1 << _END_BITS) - 2
+_M64 = (1 << 64) - 1
 
 
 class _Powers:
@@ -66,24 +67,45 @@ class _Powers:
 
 
 class _Prefix:
-    """Hashes of a request's token prefixes: ``h[p]`` covers tokens ``[0, p)``."""
+    """Hashes of a request's token prefixes: ``h[p]`` covers tokens ``[0, p)``.
 
-    __slots__ = ("h",)
+    The hashes live in a buffer that doubles when full, so a decode (one more token a
+    step) costs O(1) amortised instead of a copy of every earlier hash.
+    """
+
+    __slots__ = ("buf", "known")
 
     def __init__(self) -> None:
-        self.h = np.zeros(1, dtype=np.uint64)
+        self.buf = np.zeros(1, dtype=np.uint64)
+        self.known = 0  # tokens hashed: buf[: known + 1] is valid
+
+    @property
+    def h(self) -> np.ndarray:
+        return self.buf[: self.known + 1]
 
     def upto(self, tokens: Sequence[int], stop: int, powers: _Powers, pad: int | None = None) -> np.ndarray:
         """``pad``: the token at every position from ``len(tokens)`` up to ``stop``."""
-        known = len(self.h) - 1
+        known = self.known
         if stop > known:
             ids = tokens[known:stop]
             if pad is not None:
                 ids = [*ids, *[pad] * (stop - max(known, len(tokens)))]
-            new = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
-            sums = np.cumsum(new * powers.get(known, stop), dtype=np.uint64) + self.h[-1]
-            self.h = np.concatenate([self.h, sums])
-        return self.h
+            if stop + 1 > len(self.buf):
+                grown = np.empty(max(stop + 1, 2 * len(self.buf)), dtype=np.uint64)
+                grown[: known + 1] = self.buf[: known + 1]
+                self.buf = grown
+            if stop - known <= 8:
+                # A decode's token or two: Python ints modulo 2**64 give numpy's wrapped sums
+                # at a fraction of its per-call cost.
+                h = int(self.buf[known])
+                for k, (token, power) in enumerate(zip(ids, powers.get(known, stop).tolist())):
+                    h = (h + (int(token) + 1) * power) & _M64
+                    self.buf[known + 1 + k] = h
+            else:
+                new = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
+                self.buf[known + 1 : stop + 1] = np.cumsum(new * powers.get(known, stop), dtype=np.uint64) + self.buf[known]
+            self.known = stop
+        return self.buf[: self.known + 1]
 
 
 def prefix_hashes(token_ids: Sequence[int]) -> np.ndarray:
@@ -101,6 +123,22 @@ def make_tags(prefix_hashes: np.ndarray, ends: np.ndarray, group: int) -> np.nda
     mixed *= _MIX
     low = (ends.astype(np.uint64) << np.uint64(_GROUP_BITS)) | np.uint64(group)
     return ((mixed & ~_LOW_MASK) | low).view(np.int64)
+
+
+_MIX_INT = int(_MIX)
+_HIGH_INT = _M64 & ~int(_LOW_MASK)
+
+
+def make_tag(prefix_hashes: np.ndarray, end: int, group: int) -> int:
+    """``make_tags`` for one end position, in Python ints (a decode step checks one slot;
+    numpy's per-call cost was most of the byte check's time). Same value, bit for bit."""
+    if end > _MAX_END:
+        raise ValueError(f"the byte check encodes positions below {_MAX_END}; got {end}")
+    mixed = (int(prefix_hashes[end]) * _MIX_INT) & _M64
+    mixed ^= mixed >> 29
+    mixed = (mixed * _MIX_INT) & _M64
+    tag = (mixed & _HIGH_INT) | (end << _GROUP_BITS) | group
+    return tag - (1 << 64) if tag >> 63 else tag
 
 
 def describe(tag: int) -> str:
@@ -185,6 +223,8 @@ class ByteCache:
         manager = engine.offload_manager
         if manager is not None and hasattr(manager, "cpu_block_pool"):
             self.cpu = torch.zeros((len(manager.cpu_block_pool.blocks), self.slots), dtype=torch.int64)
+        self._gpu_of: Any = None  # the tensor ``_gpu_view`` shows (rebuilt if ``gpu`` is replaced)
+        self._gpu_view: np.ndarray | None = None
         self.powers = _Powers()
         self.prefixes: dict[str, _Prefix] = {}
         self.tables: dict[str, list[list[int]]] = {}
@@ -195,6 +235,13 @@ class ByteCache:
         self.stats = ByteStats()
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def _g(self) -> np.ndarray:
+        """``gpu`` as a numpy array sharing its memory: indexing it costs far less than torch."""
+        if self._gpu_of is not self.gpu:
+            self._gpu_of, self._gpu_view = self.gpu, self.gpu.numpy()
+        return self._gpu_view  # type: ignore[return-value]
+
     @property
     def _step(self) -> int:
         return len(self.engine.steps)
@@ -216,8 +263,7 @@ class ByteCache:
 
     def _compare(self, req_id: str, what: str, block_ids: list[int], slots: list[int], expected: np.ndarray,
                  off_grid: tuple[np.ndarray, int, int] | None = None) -> None:
-        torch = self.torch
-        found = self.gpu[torch.tensor(block_ids, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)].numpy()
+        found = self._g[np.asarray(block_ids, dtype=np.int64), np.asarray(slots, dtype=np.int64)]
         wrong = np.nonzero(found != expected)[0]
         if wrong.size and off_grid is not None and self._off_grid_state(int(found[0]), int(expected[0]), *off_grid):
             self.stats.off_grid_mamba_states += 1
@@ -299,27 +345,40 @@ class ByteCache:
     def _attention(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
                    h: np.ndarray, fresh: bool) -> None:
         per_slot = block_size // self.slots
+        gpu = self._g
         # Reads: every slot below a fresh hit; else only the slot this chunk continues.
         first_read = 0 if fresh else start // per_slot
-        read = np.arange(first_read, -(-start // per_slot), dtype=np.int64)
-        if read.size:
+        last_read = -(-start // per_slot)
+        if last_read - first_read == 1:  # one slot (a decode, a continued chunk): no arrays
+            if fresh:
+                self.stats.hit_attention_slots += 1
+            block = table[first_read * per_slot // block_size]
+            expected = make_tag(h, min((first_read + 1) * per_slot, start), group)
+            if int(gpu[block, first_read % self.slots]) != expected:
+                self._compare(req_id, f"attention (group {group}) before tokens {start}..{start + num}",
+                              [block], [first_read % self.slots], np.array([expected], dtype=np.int64))
+        elif last_read > first_read:
+            read = np.arange(first_read, last_read, dtype=np.int64)
             ends = np.minimum((read + 1) * per_slot, start)
-            blocks = [table[int(s) * per_slot // block_size] for s in read]
+            blocks = [table[s] for s in (read * per_slot // block_size).tolist()]
             if fresh:
                 self.stats.hit_attention_slots += int(read.size)
             self._compare(req_id, f"attention (group {group}) before tokens {start}..{start + num}",
-                          blocks, [int(s) % self.slots for s in read], make_tags(h, ends, group))
-        write = np.arange(start // per_slot, -(-(start + num) // per_slot), dtype=np.int64)
-        if not write.size:
+                          blocks, (read % self.slots).tolist(), make_tags(h, ends, group))
+        first_write, last_write = start // per_slot, -(-(start + num) // per_slot)
+        if last_write <= first_write:
             return
-        index = write * per_slot // block_size
-        if int(index[-1]) >= len(table):
+        if (last_write - 1) * per_slot // block_size >= len(table):
             self._violation(f"{req_id}: tokens {start}..{start + num} have no attention block (table {len(table)})")
             return
-        torch = self.torch
-        blocks = torch.tensor([table[int(i)] for i in index], dtype=torch.int64)
+        if last_write - first_write == 1:
+            block = table[first_write * per_slot // block_size]
+            gpu[block, first_write % self.slots] = make_tag(h, min(last_write * per_slot, start + num), group)
+            return
+        write = np.arange(first_write, last_write, dtype=np.int64)
+        blocks = np.asarray(table, dtype=np.int64)[write * per_slot // block_size]
         ends = np.minimum((write + 1) * per_slot, start + num)
-        self.gpu[blocks, torch.from_numpy(write % self.slots)] = torch.from_numpy(make_tags(h, ends, group))
+        gpu[blocks, write % self.slots] = make_tags(h, ends, group)
 
     def _mamba(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
                h: np.ndarray, fresh: bool) -> None:
@@ -334,14 +393,17 @@ class ByteCache:
         if table[curr] == 0:
             self._violation(f"{req_id}: Mamba state of tokens ..{start + num} would be written into the null block")
             return
+        gpu = self._g
         if prev != -1 and prev != curr:
-            self.gpu[table[curr]] = self.gpu[table[prev]]
+            gpu[table[curr]] = gpu[table[prev]]
         if start > 0:
             if fresh:
                 self.stats.hit_mamba_states += 1
-            self._compare(req_id, f"Mamba state (group {group}) read at token {start}", [table[curr]], [0],
-                          make_tags(h, np.array([start]), group), (h, group, block_size))
-        self.gpu[table[curr]] = int(make_tags(h, np.array([start + num]), group)[0])
+            expected = make_tag(h, start, group)
+            if int(gpu[table[curr], 0]) != expected:
+                self._compare(req_id, f"Mamba state (group {group}) read at token {start}", [table[curr]], [0],
+                              np.array([expected], dtype=np.int64), (h, group, block_size))
+        gpu[table[curr]] = make_tag(h, start + num, group)
 
     def _forget(self, req_id: str) -> None:
         for table in (self.tables, self.mamba_state_idx, self.next_position, self.prefixes):

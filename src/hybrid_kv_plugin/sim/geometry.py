@@ -84,11 +84,16 @@ def build_vllm_config(
         cache_block_size = geometry.mamba_block_size
     if geometry.full_attention_only:
         cache_block_size = geometry.attention_block_size
+    retention: dict[str, Any] = {}
+    if geometry.prefix_cache_retention_interval is not None and adapter.retention_interval_env_var is None:
+        # The CacheConfig says what the KVCacheConfig carries (a server derives one from the other).
+        retention["prefix_cache_retention_interval"] = geometry.prefix_cache_retention_interval
     cache_config = CacheConfig(
         block_size=cache_block_size,
         enable_prefix_caching=geometry.enable_prefix_caching,
         mamba_cache_mode="none" if geometry.full_attention_only else geometry.mamba_cache_mode,
         prefix_match_unit=geometry.hash_block_size,
+        **retention,
         **geometry.extra_cache_config,
     )
     scheduler_config = SchedulerConfig(

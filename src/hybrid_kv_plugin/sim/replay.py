@@ -24,9 +24,11 @@ from hybrid_kv_plugin.offload.stats import BoundaryStoreStats
 from hybrid_kv_plugin.sim.attribution import Admission, Bucket, Fate, MambaGrid, fate_of_step, split_loss, total
 from hybrid_kv_plugin.sim.configs import ReplayConfig
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
+from hybrid_kv_plugin.sim.mamba_states import MambaStateCounter
+from hybrid_kv_plugin.sim.mamba_states import merge as merge_mamba_states
 from hybrid_kv_plugin.sim.mooncake import TimedSegment, run_timed
 from hybrid_kv_plugin.sim.wheel import boundary_handoffs, boundary_handoffs_published
-from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, ideal_reuse, prefix_keys
+from hybrid_kv_plugin.sim.workload import Segment, TraceRequest, history_keys, ideal_reuse
 
 # The boundary-store counters, in the order the report prints them.
 STORE_FIELDS = tuple(f.name for f in dataclasses.fields(BoundaryStoreStats))
@@ -92,6 +94,8 @@ class SegmentResult:
     # invariants checked (None: not checked, or no CPU tier).
     checked_loads: int | None = None
     checked_copies: int | None = None
+    # Observed runs: Mamba states held (GPU prefix cache, CPU tier) and prefill chunks (sim/mamba_states.py).
+    mamba_states: dict[str, Any] | None = None
 
 
 def _total(attr: str) -> Any:
@@ -169,6 +173,7 @@ class ReplayResult:
             "steps": self.steps,
             "loss": self.loss,
             "boundary_stats": self.boundary_stats,
+            "mamba_states": merge_mamba_states(s.mamba_states for s in self.segments),
             **self._ttft(),
         }
 
@@ -288,7 +293,7 @@ def replay(
     """
     import hybrid_kv_plugin
     from hybrid_kv_plugin.config import PluginConfigError
-    from hybrid_kv_plugin.registration import STATE, Status
+    from hybrid_kv_plugin.registration import STATE, Status, current_adapter
 
     was_active = STATE.status is Status.ACTIVE
     # A plugin run in a process that keeps the plugin registered (as a server does; the
@@ -307,9 +312,18 @@ def replay(
         done = 0
         for segment in segments:
             try:
+                refusal = config.refusal(current_adapter())
+                if refusal is not None:
+                    raise PluginConfigError(refusal)
                 run = _SegmentRun(segment, settings, config, observe=observe, timer=timer, check_invariants=check_invariants)
             except PluginConfigError as exc:
                 result.refused = str(exc)
+                return result
+            except ValueError as exc:
+                # vLLM's own start-up refusal of a stock knob (a retention interval off its grid).
+                if config.retention is None or "retention_interval" not in str(exc).lower():
+                    raise
+                result.refused = f"vLLM refuses it: {exc}"
                 return result
             done = run.run(progress, done)
             result.segments.append(run.result(per_request))
@@ -343,36 +357,35 @@ class _SegmentRun:
         timer: StepTimer | None,
         check_invariants: bool = False,
     ) -> None:
+        from hybrid_kv_plugin.registration import current_adapter
         from hybrid_kv_plugin.sim.engine import SimEngine, TransferPolicy
 
         self.segment = segment
-        self.geometry = settings.geometry(segment)
-        # An operator sets the junction switch on EAGLE deployments only (elsewhere it is refused).
-        switch = config.mamba_shared_prefix_checkpoint and self.geometry.eagle
-        options: dict[str, Any] = {"mamba_shared_prefix_checkpoint": True} if switch else {}
-        if config.prompt_tail_checkpoint != "native":
-            options["prompt_tail_checkpoint"] = config.prompt_tail_checkpoint
-        if config.mamba_output_checkpoint:
-            options["mamba_output_checkpoint"] = True
-        if config.mamba_divergence_checkpoint:
-            options["mamba_divergence_checkpoint"] = True
-        additional = {"hybrid_kv": options} if options else None
+        adapter = current_adapter()
+        self.geometry = config.engine_geometry(settings.geometry(segment), adapter)
+        additional = config.additional_config(self.geometry.eagle)
         # One CPU block holds one page of the shared KV tensor (SimpleCPU sizes its pool
         # as cpu_bytes // page bytes for this single-tensor layout).
         cpu_bytes = settings.cpu_blocks * self.geometry.attention_page_bytes
-        self.engine = SimEngine(
-            self.geometry,
-            kv_connector=config.connector,
-            kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
-            additional_config=additional,
-            transfer_policy=TransferPolicy(delay_steps=settings.transfer_delay_steps),
-        )
+        with config.engine_environment(self.geometry, adapter):
+            self.engine = SimEngine(
+                self.geometry,
+                kv_connector=config.connector,
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+                additional_config=additional,
+                transfer_policy=TransferPolicy(delay_steps=settings.transfer_delay_steps),
+            )
         self.unit = self.engine.hash_block_size
-        self.ideal = ideal_reuse(segment.requests, self.unit)
+        # Each request's history keys (uint64 arrays, 8 bytes a unit): the ideal and the
+        # observers' Mamba grid both read them, so they are built once.
+        keys = [history_keys(r, self.unit) for r in segment.requests]
+        self.ideal = ideal_reuse(segment.requests, self.unit, keys=keys)
+        self.keys = {r.request_id: k for r, k in zip(segment.requests, keys)}
         self.requests: dict[str, TraceRequest] = {r.request_id: r for r in segment.requests}
         self.ttft_steps: dict[str, int] | None = None
         self.observed = observe
         self.cpu_evictions = 0
+        self.states = MambaStateCounter(self.engine) if observe else None
         if observe:
             self._install_observers()
         if timer is not None:
@@ -431,6 +444,9 @@ class _SegmentRun:
             ttft_steps=self.ttft_steps,
             checked_loads=len(self.invariants.loads) if self.invariants is not None else None,
             checked_copies=self.invariants.published_checked if self.invariants is not None else None,
+            mamba_states=(
+                self.states.counts({r.request_id: len(r.prompt_token_ids) for r in requests}) if self.states else None
+            ),
         )
         buckets: dict[str, dict[Bucket, int]] = {}
         for request in requests:
@@ -470,7 +486,6 @@ class _SegmentRun:
         scheduler = engine.scheduler
         connector = engine.connector
         self.grid = MambaGrid()
-        self.keys = {rid: prefix_keys(r.history(), self.unit) for rid, r in self.requests.items()}
         self.pending: dict[str, _Pending] = {}
         self._dense_grid = not boundary_handoffs_published(engine.adapter)
         # Requests the connector was asked about and not yet seen scheduled / finished; kept
@@ -500,6 +515,7 @@ class _SegmentRun:
         def observed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
             out = update(scheduler_output, model_runner_output)
             self._end_step()
+            self.states.after_step(getattr(scheduler, "finished_req_ids", ()))
             return out
 
         scheduler.update_from_output = observed_update
@@ -539,7 +555,8 @@ class _SegmentRun:
             _blocks, beyond, _uncached = coordinator.find_longest_cache_hit(hashes, ideal - local)
         # Under EAGLE a state at the ideal itself is out of reach (see attribution step 0).
         self._asked.add(rid)
-        units, fate = self.grid.best(self.keys[rid], (ideal - self._eagle_drop()) // self.unit)
+        limit = max((ideal - self._eagle_drop()) // self.unit, 0)
+        units, fate = self.grid.best(self.keys[rid][:limit].tolist(), limit)
         self.pending[rid] = _Pending(local, beyond, units * self.unit, fate, self.cpu_evictions > 0)
 
     def _eagle_drop(self) -> int:
@@ -592,7 +609,7 @@ class _SegmentRun:
         keys = self.keys[rid]
         units = position // self.unit
         if units <= len(keys):
-            self.grid.add(keys[units - 1], fate)
+            self.grid.add(int(keys[units - 1]), fate)
 
     def _admission(self, rid: str, reused: int) -> Admission:
         ideal = self.ideal[rid]

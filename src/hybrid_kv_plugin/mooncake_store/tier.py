@@ -1,0 +1,267 @@
+"""The Mooncake store as a second tier behind one engine's SimpleCPU tier, never on the step's path.
+
+Invariants:
+- No store call runs on the caller's thread: client setup, puts and lookups each run on
+  a daemon thread of their own; the scheduler only queues work and polls finished jobs.
+  A master that is down (each call then takes seconds) costs a step a queue operation.
+- A lookup that has not finished within ``lookup_timeout_s``, or any store error, opens
+  the circuit breaker for ``retry_s``: lookups are then answered "nothing" at once and
+  puts are dropped (both counted). The first call after that window probes again.
+- A value is ``8-byte little-endian num_tokens (-1: None) + the block's bytes``; its key is
+  ``<namespace>/<block hash with group id, hex>``. The namespace names the model and the
+  block layout, so two models sharing a master never read each other's bytes.
+- Counters only grow; :meth:`StoreTier.counters` returns a copy.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+_HEADER = struct.Struct("<q")
+
+
+@dataclass
+class StoreCounters:
+    """What the store tier did, cumulative."""
+
+    blocks_put: int = 0  # blocks written (one block may be written under several keys)
+    keys_put: int = 0
+    bytes_put: int = 0
+    put_failures: int = 0
+    puts_dropped: int = 0  # not written: breaker open, client not ready, or queue full
+    lookups: int = 0  # jobs sent to the store
+    keys_found: int = 0
+    keys_absent: int = 0
+    bytes_fetched: int = 0
+    lookup_errors: int = 0
+    lookup_timeouts: int = 0
+    lookups_skipped: int = 0  # answered "nothing" at once: breaker open or client not ready
+    breaker_trips: int = 0
+    blocks_installed: int = 0  # fetched blocks placed in the local CPU tier
+    setup_failures: int = 0
+
+
+@dataclass
+class LookupJob:
+    """Keys asked for; ``found`` maps key -> (num_tokens, payload) once ``done`` is set."""
+
+    keys: list[str]
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    found: dict[str, tuple[int | None, bytes]] = field(default_factory=dict)
+    absent: set[str] = field(default_factory=set)
+    error: str = ""
+
+
+def encode(num_tokens: int | None, payload: bytes) -> bytes:
+    return _HEADER.pack(-1 if num_tokens is None else num_tokens) + payload
+
+
+def decode(value: bytes) -> tuple[int | None, bytes]:
+    (num_tokens,) = _HEADER.unpack_from(value)
+    return (None if num_tokens < 0 else num_tokens), value[_HEADER.size :]
+
+
+class StoreTier:
+    """A store client behind three threads (setup, puts, lookups) and a circuit breaker.
+
+    ``connect`` builds and sets up a client (it may block for as long as the master takes);
+    the client needs ``put(key, bytes) -> int``, ``batch_is_exist(keys) -> list[int]``,
+    ``get_batch(keys) -> list[bytes]`` and ``close()``, as ``MooncakeDistributedStore`` has.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        namespace: str,
+        *,
+        lookup_timeout_s: float,
+        retry_s: float,
+        max_queued_puts: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.namespace = namespace
+        self.lookup_timeout_s = lookup_timeout_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counters = StoreCounters()
+        self._client: Any = None
+        self._open_until = 0.0
+        self._closed = threading.Event()
+        self._puts: queue.Queue = queue.Queue(maxsize=max_queued_puts)
+        self._lookups: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._setup_loop, args=(connect,), name="hybrid-kv-store-setup", daemon=True),
+            threading.Thread(target=self._put_loop, name="hybrid-kv-store-put", daemon=True),
+            threading.Thread(target=self._lookup_loop, name="hybrid-kv-store-get", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ state
+    def key_of(self, block_key: bytes) -> str:
+        return f"{self.namespace}/{block_key.hex()}"
+
+    def counters(self) -> StoreCounters:
+        with self._lock:
+            return StoreCounters(**self._counters.__dict__)
+
+    def _count(self, **growth: int) -> None:
+        with self._lock:
+            for name, value in growth.items():
+                setattr(self._counters, name, getattr(self._counters, name) + value)
+
+    def available(self) -> bool:
+        """The client is set up and the breaker is closed."""
+        return self._client is not None and self._clock() >= self._open_until
+
+    def trip(self) -> None:
+        """Stop using the store for ``retry_s`` (a failure or a lookup past its deadline)."""
+        with self._lock:
+            self._open_until = self._clock() + self.retry_s
+            self._counters.breaker_trips += 1
+
+    # ------------------------------------------------------------------ puts
+    def offer(self, items: list[tuple[list[tuple[str, int | None]], Callable[[], bytes]]], release: Callable[[], None]) -> bool:
+        """Queue blocks for writing: per block its (key, num_tokens) list and a reader of its bytes.
+
+        ``release`` runs on the put thread once every reader has run (the caller pins the
+        blocks until then). False, and nothing queued (the caller unpins at once), where
+        the store is unavailable or the queue is full.
+        """
+        if not self.available():
+            self._count(puts_dropped=len(items))
+            return False
+        try:
+            self._puts.put_nowait((items, release))
+        except queue.Full:
+            self._count(puts_dropped=len(items))
+            return False
+        return True
+
+    def _put_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                items, release = self._puts.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._write(items, release)
+            finally:
+                self._puts.task_done()
+
+    def _write(self, items: list[tuple[list[tuple[str, int | None]], Callable[[], bytes]]], release: Callable[[], None]) -> None:
+        try:
+            payloads = [(keys, read()) for keys, read in items]
+        finally:
+            release()
+        for keys, payload in payloads:
+            if not self.available():
+                self._count(puts_dropped=1)
+                continue
+            try:
+                failed = [key for key, num_tokens in keys if self._client.put(key, encode(num_tokens, payload)) != 0]
+            except Exception:  # noqa: BLE001 - any client error is a store failure, never the engine's
+                failed = [key for key, _ in keys]
+            if failed:
+                self._count(put_failures=1)
+                self.trip()
+            else:
+                self._count(blocks_put=1, keys_put=len(keys), bytes_put=len(payload) * len(keys))
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, keys: Iterable[str]) -> LookupJob | None:
+        """Start fetching ``keys``; None (counted) where the store is unavailable."""
+        if not self.available():
+            self._count(lookups_skipped=1)
+            return None
+        job = LookupJob(keys=list(keys), started=self._clock())
+        self._count(lookups=1)
+        self._lookups.put(job)
+        return job
+
+    def expired(self, job: LookupJob) -> bool:
+        """The job is unfinished past its deadline: counted once, and the breaker opens."""
+        if job.done.is_set() or self._clock() - job.started < self.lookup_timeout_s:
+            return False
+        self._count(lookup_timeouts=1)
+        self.trip()
+        return True
+
+    def _lookup_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                job = self._lookups.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._fetch(job)
+            except Exception as err:  # noqa: BLE001 - reported as a miss, never raised into the engine
+                job.error = repr(err)
+            if job.error:
+                self._count(lookup_errors=1)
+                self.trip()
+            job.done.set()
+
+    def _fetch(self, job: LookupJob) -> None:
+        if self._client is None:
+            job.error = "client not set up"
+            return
+        exists = self._client.batch_is_exist(job.keys)
+        if any(flag < 0 for flag in exists):
+            job.error = "batch_is_exist failed"
+            return
+        present = [key for key, flag in zip(job.keys, exists) if flag == 1]
+        job.absent = {key for key, flag in zip(job.keys, exists) if flag != 1}
+        values = self._client.get_batch(present) if present else []
+        for key, value in zip(present, values):
+            if len(value) < _HEADER.size:
+                job.absent.add(key)  # evicted between the two calls, or the transfer failed
+                continue
+            job.found[key] = decode(bytes(value))
+        self._count(
+            keys_found=len(job.found),
+            keys_absent=len(job.absent),
+            bytes_fetched=sum(len(payload) for _, payload in job.found.values()),
+        )
+
+    # ------------------------------------------------------------------ lifetime
+    def _setup_loop(self, connect: Callable[[], Any]) -> None:
+        while not self._closed.is_set():
+            try:
+                client = connect()
+            except Exception:  # noqa: BLE001 - the engine serves from its own tier meanwhile
+                self._count(setup_failures=1)
+                self._closed.wait(self.retry_s)
+                continue
+            if self._closed.is_set():
+                client.close()
+                return
+            self._client = client
+            return
+
+    def idle(self) -> bool:
+        """No put queued or being written."""
+        return self._puts.unfinished_tasks == 0
+
+    def note_installed(self, blocks: int) -> None:
+        self._count(blocks_installed=blocks)
+
+    def close(self) -> None:
+        """Stop the threads (each within ~0.2 s unless inside a store call) and close the client."""
+        self._closed.set()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
