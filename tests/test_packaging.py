@@ -100,10 +100,11 @@ def _runtime_modules() -> set[str]:
     imports by name) and everything they import, with its parent packages."""
     import grimp
 
-    from hybrid_kv_plugin.connector_names import CONNECTOR_MODULE
+    from hybrid_kv_plugin.connector_names import CONNECTOR_MODULE, STORE_CONNECTOR_MODULE
 
     graph = grimp.build_graph("hybrid_kv_plugin", cache_dir=None)
-    todo = ["hybrid_kv_plugin", "hybrid_kv_plugin.cli.main", CONNECTOR_MODULE, *(cls.__module__ for cls in ADAPTERS)]
+    todo = ["hybrid_kv_plugin", "hybrid_kv_plugin.cli.main", CONNECTOR_MODULE, STORE_CONNECTOR_MODULE,
+            *(cls.__module__ for cls in ADAPTERS)]
     reached: set[str] = set()
     while todo:
         module = todo.pop()

@@ -189,10 +189,16 @@ def test_chat_retry_resumes_through_the_answer(runs):
 
 # Measured exact on 0.32 (tokens and logprobs): cold runs whose prefill is one chunk, turn 2 of the
 # chat (from turn 1's prompt-tail state), and request 3 from the wheel's own state (option off).
-EXACT = {("siblings", 0), ("siblings", 2, False), ("chat", "turn1"), ("chat", "turn2")}
+# On 0.29+ also turn 2; on 0.27.1 (measured in CI: the GPU-cache turn 2 emitted the reference's
+# tokens, other logprobs) the prompt-tail state comes from the plugin's own hand-off channel
+# (mamba_boundary_handoffs), chunked unlike the reference: open, not compared there.
+EXACT = {("siblings", 0), ("siblings", 2, False), ("chat", "turn1")}
+EXACT_FROM_0_29 = {("chat", "turn2")}
 
 
 def _exact(scenario: str, key, enabled: bool) -> bool:
+    if (scenario, key) in EXACT_FROM_0_29:
+        return select_adapter().adapter.prompt_tail_checkpoint_supported
     return (scenario, key) in EXACT or (scenario, key, enabled) in EXACT
 
 
@@ -203,9 +209,9 @@ def test_outputs_equal_the_uncached_reference(runs, scenario):
         for tier in TIERS:
             references_of = runs[enabled, scenario, tier, "reference"]
             for key, (_, run) in runs[enabled, scenario, tier].items():
+                reference = references_of[key]
                 if not _exact(scenario, key, enabled):
                     continue
-                reference = references_of[key]
                 assert reference.num_cached_tokens == run.num_cached_tokens, (enabled, tier, key)
                 assert (run.token_ids, run.logprobs) == (reference.token_ids, reference.logprobs), (enabled, tier, key)
     if runs["supported"]:
