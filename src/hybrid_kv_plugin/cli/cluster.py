@@ -104,7 +104,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     out = out or sys.stdout
     from hybrid_kv_plugin.cli import replay_inputs as inputs
     from hybrid_kv_plugin.cli.args import choose_configs, settings_from
-    from hybrid_kv_plugin.cli.replay import load_segments, prepare_inputs
+    from hybrid_kv_plugin.cli.replay import add_input_notes, load_segments, prepare_inputs
     from hybrid_kv_plugin.sim.cluster import ClusterInputError, replay_cluster, route
     from hybrid_kv_plugin.sim.mooncake import TimedSegment
 
@@ -175,12 +175,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     }
     if parents is not None:
         report["conversations"] = sum(p < 0 for p in parents)
-    if refused:
-        report["refused_requests"] = refused
-    if pool_notes:
-        report["pool_notes"] = pool_notes
-    if model is not None:
-        report["model_geometry"] = model.as_dict()
+    add_input_notes(report, refused, pool_notes, model)
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
     else:

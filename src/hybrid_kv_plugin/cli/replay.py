@@ -145,14 +145,9 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     report["startup_s"] = round(startup, 1)
     for row, timing in zip(report["results"], timings):
         row["timing"] = timing
-    if refused:
-        report["refused_requests"] = refused
-    if pool_notes:
-        report["pool_notes"] = pool_notes
+    add_input_notes(report, refused, pool_notes, model)
     if next_steps:
         report["next_steps"] = next_steps
-    if model is not None:
-        report["model_geometry"] = model.as_dict()
     if args.cold_replay:
         from hybrid_kv_plugin.sim.cold_replay import replay_external_hit
 
@@ -218,6 +213,16 @@ def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any])
     if model is not None:
         settings, pool_notes = inputs.cap_pools(settings, model, segments)
     return model, settings, segments, refused, pool_notes
+
+
+def add_input_notes(report: dict, refused: dict[str, int], pool_notes: list[str], model: Any) -> None:
+    """What ``prepare_inputs`` found, in the report: requests left out, pool caps, the resolved model."""
+    if refused:
+        report["refused_requests"] = refused
+    if pool_notes:
+        report["pool_notes"] = pool_notes
+    if model is not None:
+        report["model_geometry"] = model.as_dict()
 
 
 def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> Any:
