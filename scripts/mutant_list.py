@@ -353,4 +353,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_divergence_checkpoint.py::test_option_selects_backport_or_native_gate",),
         ("0.33.0",),
     ),
+    Mutant(
+        "output-checkpoint-async-ignores-output-placeholders",
+        "output_checkpoint/rolling.py",
+        "    if request.num_output_placeholders > 0:\n        return IN_FLIGHT\n",
+        "    if False:\n        return IN_FLIGHT\n",
+        # AsyncScheduler: the boundary is keyed on the running block while the step just scheduled
+        # overwrites it; the next turn reads the state after 353 under the key of 352 (byte check).
+        ("tests/test_output_checkpoint.py::test_cpu_tier_serves_the_previous_answer[async]",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "cpu-tier-reuse-not-refreshed",
+        "offload/eviction.py",
+        "            for cpu_block in reversed(reused):\n",
+        "            for cpu_block in reversed(reused[:0]):\n",
+        # The hybrid CPU-tier order forgets that a request reused a prefix from the GPU cache:
+        # its CPU copy ages as under LRU and is evicted first.
+        ("tests/test_cpu_tier_eviction.py::test_gpu_reuse_keeps_the_cpu_copy",),
+        ("0.29.0", "0.33.0"),
+    ),
 )

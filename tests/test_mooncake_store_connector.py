@@ -17,7 +17,7 @@ import pytest
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.connector_names import STORE_CONNECTOR_NAME
 from hybrid_kv_plugin.mooncake_store.options import StoreOptions
-from hybrid_kv_plugin.mooncake_store.tier import StoreTier, decode, encode
+from hybrid_kv_plugin.mooncake_store.tier import STORE_FULL, StoreTier, decode, encode
 
 REFUSAL = (
     "HybridMooncakeStoreConnector needs the Mooncake store client, which does not import here "
@@ -74,6 +74,8 @@ def test_doctor_shows_the_refusal(adapter):
         (MINIMAL | {"lookup_timeout_ms": 0}, "kv_connector_extra_config.mooncake_store.lookup_timeout_ms: 0 is not a positive int"),
         (MINIMAL | {"retry_s": "5"}, "kv_connector_extra_config.mooncake_store.retry_s: '5' is not a positive float"),
         (MINIMAL | {"master": 50051}, "kv_connector_extra_config.mooncake_store.master: 50051 is not a string"),
+        (MINIMAL | {"global_segment_bytes": 4 << 20}, "kv_connector_extra_config.mooncake_store.global_segment_bytes: "
+         "4194304 is below 16777216 (16 MiB), the Mooncake client's smallest segment"),
     ],
 )  # fmt: skip
 def test_bad_options_are_refused(section, message):
@@ -103,6 +105,7 @@ class StandInStore:
         self.hang = threading.Event()
         self.release = threading.Event()
         self.closed = False
+        self.refusals = 0  # the next puts answered "full" (Mooncake's -200), as while its master evicts
 
     def _wait(self) -> None:
         if self.hang.is_set():
@@ -112,6 +115,9 @@ class StandInStore:
         self._wait()
         if self.hang.is_set():
             return -900
+        if self.refusals:
+            self.refusals -= 1
+            return STORE_FULL
         self.values[key] = bytes(value)
         return 0
 
@@ -136,8 +142,11 @@ class Clock:
         return self.now
 
 
-def _tier(store: StandInStore, clock: Clock, max_queued_puts: int = 4) -> StoreTier:
-    tier = StoreTier(lambda: store, "ns", lookup_timeout_s=0.5, retry_s=2.0, max_queued_puts=max_queued_puts, clock=clock)
+def _tier(store: StandInStore, clock: Clock, max_queued_puts: int = 4, full_wait_s: float = 0.5) -> StoreTier:
+    tier = StoreTier(
+        lambda: store, "ns", lookup_timeout_s=0.5, retry_s=2.0, max_queued_puts=max_queued_puts,
+        full_wait_s=full_wait_s, clock=clock,
+    )  # fmt: skip
     for _ in range(500):
         if tier.available():
             break
@@ -232,5 +241,31 @@ def test_failed_put_opens_the_breaker_and_full_queue_drops():
         assert sorted(store.values) == ["ns/02", "ns/03"]
         counters = tier.counters()
         assert (counters.blocks_put, counters.put_failures, counters.puts_dropped) == (2, 1, 1)
+    finally:
+        tier.close()
+
+
+def test_full_store_is_waited_for_then_counted_never_a_fault():
+    """A put refused for space is retried while the store evicts: it lands after 3 refusals; one still
+    refused after ``full_wait_s`` (5 retries of 10 ms) is dropped and counted. The breaker stays closed,
+    and the dropped key is a plain miss for a reader."""
+    store, clock = StandInStore(), Clock()
+    tier = _tier(store, clock, full_wait_s=0.05)
+    try:
+        store.refusals = 3
+        assert tier.offer([([("ns/01", 16)], lambda: b"a")], lambda: None)
+        _wait(tier.idle, "the put landed")
+        store.refusals = 1000
+        assert tier.offer([([("ns/02", 32)], lambda: b"bb")], lambda: None)
+        _wait(tier.idle, "the put gave up")
+        store.refusals = 0
+        assert tier.available()
+        job = tier.lookup(["ns/01", "ns/02"])
+        _wait(job.done.is_set, "the lookup finished")
+        assert (job.found, job.absent, job.error) == ({"ns/01": (16, b"a")}, {"ns/02"}, "")
+        counters = tier.counters()
+        assert (counters.blocks_put, counters.put_full_retries, counters.puts_store_full) == (1, 3 + 5, 1)
+        assert (counters.put_failures, counters.breaker_trips, counters.lookup_errors) == (0, 0, 0)
+        assert (counters.keys_found, counters.keys_absent) == (1, 1)
     finally:
         tier.close()

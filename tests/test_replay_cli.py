@@ -138,11 +138,12 @@ def test_absurd_block_count_is_capped_with_a_warning(tmp_path, capsys):
     report = json.loads(out)
     assert report["model_geometry"]["gpu_blocks"] == 10_485_760
     # Per request and group: tokens (prompt + output + 1 look-ahead + 1) in 32-token blocks,
-    # one per chunk, two spare; two groups; one null block: 2*(23+1+2) + 2*(24+1+2) + 1.
-    assert (report["settings"]["gpu_blocks"], report["settings"]["cpu_blocks"]) == (107, 107)
+    # one per chunk, two spare; four groups (attention and the model's three Mamba groups); one null
+    # block: 4*(23+1+2) + 4*(24+1+2) + 1.
+    assert (report["settings"]["gpu_blocks"], report["settings"]["cpu_blocks"]) == (213, 213)
     assert (
         "hybrid-kv: warning: this geometry makes 10485760 GPU blocks of 4096 bytes at 40 GiB (a toy model at a "
-        "server's memory?); replayed as 107, all this trace can take, with the same result; --gpu-kv-gib sets the memory\n"
+        "server's memory?); replayed as 213, all this trace can take, with the same result; --gpu-kv-gib sets the memory\n"
     ) in err
 
 

@@ -24,7 +24,7 @@ from hybrid_kv_plugin.adapters.detect import SUPPORTED_RANGE
 ROOT = Path(__file__).resolve().parents[1]
 STOCK = "0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0"
 # The engine builds .ci/run tests (CI_ENGINES in scripts/versions; a new stock family adds none).
-ENGINES = "cpu-0.32.0 cpu-0.29.0 cpu-0.27.1"
+ENGINES = "cpu-0.32.0 cpu-0.29.0"
 
 FAKE_FAMILY = '''"""A fake vLLM 0.34.x family (tests/test_supported_versions.py)."""
 

@@ -83,6 +83,13 @@ class ConnectorOptions(BaseModel):
         default=True,
         description="Load hash-granular external hits for hybrid attention + Mamba align models.",
     )
+    cpu_tier_eviction: Literal["lru", "hybrid"] = Field(
+        default="lru",
+        description="Eviction order of the CPU tier: lru = the wheel's own; hybrid = copies a request "
+        "reuses from the GPU cache count as used, and chunk-end Mamba states inside a prompt are "
+        "evicted first (needs the fine-grained hybrid connector, vLLM 0.29+). "
+        "See hybrid_kv_plugin.offload.eviction.",
+    )
 
 
 def _describe_error(prefix: str, model: type[BaseModel], err: ValidationError) -> str:

@@ -36,13 +36,7 @@ def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_hol
     if index >= len(blocks) or blocks[index].is_null:
         return None
     holder = blocks[index]
-    key = manager.block_pool.cache_partial_block(
-        request=request,
-        block=holder,
-        num_tokens=num_tokens,
-        kv_cache_group_id=manager.kv_cache_group_id,
-        block_size=manager.block_size,
-    )
+    key = cache_partial_key(manager, request, holder, num_tokens)
     if key is None:
         return None
     manager._partial_hit_reqs[request.request_id] = (index, holder)
@@ -52,3 +46,15 @@ def keep_partial_state(manager: Any, request: Any, num_tokens: int, producer_hol
             (holder, num_tokens) if producer_holds_block else num_tokens
         )
     return key
+
+
+def cache_partial_key(manager: Any, request: Any, block: Any, num_tokens: int) -> Any:
+    """Key ``block`` of ``manager``'s group as the state after ``num_tokens`` of ``request``
+    (the wheel's ``cache_partial_block``); None where the wheel declines the key."""
+    return manager.block_pool.cache_partial_block(
+        request=request,
+        block=block,
+        num_tokens=num_tokens,
+        kv_cache_group_id=manager.kv_cache_group_id,
+        block_size=manager.block_size,
+    )

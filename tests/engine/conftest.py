@@ -9,7 +9,6 @@ costs ~14 s on an idle machine, a generate call well under a second.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -17,17 +16,11 @@ from pathlib import Path
 
 import pytest
 
-# Knobs measured for this machine (tests/../shared reference): one process, no thread
-# binding, 1 GiB of "device" KV cache.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_run import ENGINE_GEOMETRY, build_llm  # noqa: E402
+from engine_run import ENGINE_GEOMETRY, build_llm, engine_environment  # noqa: E402
+
+engine_environment()  # before any test module imports vLLM
 from tiny_model import write_model  # noqa: E402
 
 

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybrid_kv_plugin import CONNECTOR_NAME
+
+# Knobs measured for this machine: one process (the tests reach the engine core and its
+# connector in-process), no OpenMP thread binding, 1 GiB of "device" KV cache, no network.
+ENGINE_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+FORCED = ("VLLM_ENABLE_V1_MULTIPROCESSING",)  # the tests need it; the others yield to the caller's own value
+
+
+def engine_environment() -> None:
+    """Set the engine knobs in this process's environment; call it before vLLM is imported
+    (vLLM reads them at import and engine start). Importing this module imports no vLLM."""
+    for name, value in ENGINE_ENVIRONMENT.items():
+        if name in FORCED:
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)
 
 
 @dataclass(frozen=True)

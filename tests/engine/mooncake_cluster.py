@@ -89,7 +89,8 @@ class Engine:
         self, model_dir: Path, store_options: dict[str, Any], workdir: Path, name: str, additional_config: dict[str, Any]
     ) -> None:
         env = dict(os.environ, PYTHONHASHSEED="0")
-        log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child  # block hashes, so store keys, equal across engines
+        self.log_path = workdir / f"{name}.log"
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child  # block hashes, so store keys, equal across engines
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "mooncake_engine.py"), str(model_dir), json.dumps(store_options),
              json.dumps(additional_config)],
@@ -105,7 +106,11 @@ class Engine:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix) :]
-        raise RuntimeError(f"engine {self.pid} exited with {self.proc.wait()} before {prefix.strip()}")
+        code = self.proc.wait()
+        # The workdir goes with the cluster: the engine's last log lines travel in the error.
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if not line.startswith(("I1", "W1"))]
+        tail = "\n".join(lines[-40:])
+        raise RuntimeError(f"engine {self.pid} exited with {code} before {prefix.strip()}; its log ends:\n{tail}")
 
     def call(self, **command: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None

@@ -22,16 +22,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_run import ENGINE_GEOMETRY, build_llm, generate, like_for_like  # noqa: E402
+from engine_run import ENGINE_GEOMETRY, build_llm, engine_environment, generate, like_for_like  # noqa: E402
 
 from hybrid_kv_plugin.connector_names import STORE_CONNECTOR_NAME  # noqa: E402
+
+engine_environment()  # the same knobs as the pytest process's engines (conftest.py), before vLLM is imported
 
 
 def _timed_steps(core) -> list[float]:

@@ -16,10 +16,19 @@ engine start costs minutes on this host); the tests below assert its parts:
 3. The master stopped: both engines keep serving (cold prompts, outputs equal their
    references), the store's misses and breaker trips are counted; restarted (same ports),
    the store comes back into use: a prompt A computes after the restart hits on B.
-4. Everything stopped by PID: no engine, store-agent or master process, no temp directory,
+4. An engine restarted: B stops and B2 starts (same master, 16 MiB segment): B2 hits what
+   A stored (432 of 448, outputs equal its like-for-like reference). Then A stops, and its
+   segment goes with it (each engine's puts stay in its own segment, ``agent.py``): B2's
+   lookups of A's keys are clean misses (counted; no error, timeout or breaker trip).
+5. The store full: A2 starts (16 MiB segment) and computes 12 prompts of 1,984 tokens, more
+   than the two 16 MiB segments hold; the master evicts its oldest objects. B2 hits the
+   last prompt in full (1,968, unit-floored) and misses the first one cleanly (0, counted),
+   outputs equal their references; the last prompt's hit takes one store round trip.
+6. Everything stopped by PID: no engine, store-agent or master process, no temp directory,
    no new /dev/shm entry.
 
-The longest engine step while the master is down is printed (``-s``), not asserted.
+The longest engine step and connector call while the master is down and while the store
+is full are printed (``-s``), not asserted.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ FAULT_LENGTH = 448
 OPTIONS = {"lookup_timeout_ms": 500, "retry_s": 2.0, "global_segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20}
 ADDITIONAL = {"hybrid_kv": {"mamba_output_checkpoint": True}}
 FILLER = list(range(3, 19))
+SMALL_SEGMENT = OPTIONS | {"global_segment_bytes": 16 << 20}  # the Mooncake client's smallest
+RESTART_LENGTH = 448
+FULL_PROMPTS, FULL_LENGTH = 12, 1984  # ~12 x 62 blocks of 64 KiB: well past the two 16 MiB segments
+FULL_HIT = 1968  # the last unit boundary below 1,983 (a hit leaves the last prompt token to compute)
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -81,6 +94,14 @@ def cluster():
         _chat(runs, a, b)
         _master_down(runs, master, a, b)
         _master_restarted(runs, master, a, b)
+
+        def start(name: str) -> Engine:
+            engine = Engine(model, master.options | SMALL_SEGMENT, workdir, name, ADDITIONAL)
+            engines.append(engine)
+            return engine
+
+        b2 = _engine_restarted(runs, a, b, start)
+        _store_full(runs, b2, start)
     finally:
         for engine in engines:
             engine.stop()
@@ -159,6 +180,52 @@ def _master_restarted(runs: dict, master: Master, a: Engine, b: Engine) -> None:
     runs["restart", "b uncached"] = b.generate(prompt, MAX_TOKENS, salt="restart-uncached")
 
 
+def _engine_restarted(runs: dict, a: Engine, b: Engine, start) -> Engine:
+    kept, gone = tokens("restart-kept", RESTART_LENGTH), tokens("restart-gone", RESTART_LENGTH)
+    runs["restart", "a kept"] = a.generate(kept, MAX_TOKENS)
+    a.generate(gone, MAX_TOKENS)
+    flush(a, "engine-restart")
+    b.stop()
+    b2 = start("B2")
+    runs["b2 ready"] = b2.ready["store"] or wait_for_store(b2)
+    runs["restart", "b2"] = b2.generate(kept, MAX_TOKENS)
+    runs["restart", "b2 uncached"] = b2.generate(kept, MAX_TOKENS, salt="b2-uncached")
+    runs["restart", "b2 reference"] = b2.call(
+        op="reference", producer=kept, consumer=kept, hit=runs["restart", "b2"]["num_cached_tokens"], salt="b2-ref"
+    )
+    before = b2.call(op="counters")["store"]
+    a.stop()  # A's segment, with everything A put, leaves the store
+    runs["a stopped", "b2"] = b2.generate(gone, MAX_TOKENS)
+    after = b2.call(op="counters")
+    runs["a stopped", "growth"] = {k: after["store"][k] - before[k] for k in before}
+    runs["a stopped", "available"] = after["available"]
+    runs["a stopped", "b2 uncached"] = b2.generate(gone, MAX_TOKENS, salt="gone-uncached")
+    return b2
+
+
+def _store_full(runs: dict, b2: Engine, start) -> None:
+    a2 = start("A2")
+    runs["a2 ready"] = a2.ready["store"] or wait_for_store(a2)
+    prompts = [tokens(f"full-{i}", FULL_LENGTH) for i in range(FULL_PROMPTS)]
+    before = a2.call(op="counters")["store"]
+    runs["full", "a2"] = [a2.generate(prompt, MAX_TOKENS) for prompt in prompts]
+    flush(a2, "full")
+    after = a2.call(op="counters")["store"]
+    runs["full", "a2 growth"] = {k: after[k] - before[k] for k in before}
+    before = b2.call(op="counters")["store"]
+    # The newest prompt first: B2's own puts (what it computes) evict the oldest objects too.
+    runs["full", "last"] = b2.generate(prompts[-1], MAX_TOKENS)
+    runs["full", "last lookups"] = b2.call(op="counters")["store"]["lookups"] - before["lookups"]
+    runs["full", "first"] = b2.generate(prompts[0], MAX_TOKENS)
+    runs["full", "b2 growth"] = {k: v - before[k] for k, v in b2.call(op="counters")["store"].items()}
+    runs["full", "last uncached"] = b2.generate(prompts[-1], MAX_TOKENS, salt="full-last-uncached")
+    runs["full", "first uncached"] = b2.generate(prompts[0], MAX_TOKENS, salt="full-first-uncached")
+    runs["full", "last reference"] = b2.call(
+        op="reference", producer=prompts[-1], consumer=prompts[-1], hit=runs["full", "last"]["num_cached_tokens"],
+        salt="full-last-ref",
+    )  # fmt: skip
+
+
 def test_engines_reached_the_store(cluster):
     assert cluster["ready"] == (True, True)
     assert all(isinstance(pid, int) for pid in cluster["agents"])  # each engine's store client process
@@ -232,6 +299,60 @@ def test_master_restarted_store_back_in_use(cluster):
     assert (b["num_cached_tokens"], b["external_hits"]) == (A_CPU_HITS[FAULT_LENGTH], A_CPU_HITS[FAULT_LENGTH])
     assert b["token_ids"] == uncached["token_ids"]
     print(f"\nafter the restart: A's puts landed after {cluster['restart attempts']} attempt(s)")
+
+
+def test_restarted_engine_hits_what_a_stored(cluster):
+    assert cluster["b2 ready"] is True
+    a_kept, b2 = cluster["restart", "a kept"], cluster["restart", "b2"]
+    uncached, reference = cluster["restart", "b2 uncached"], cluster["restart", "b2 reference"]
+    assert a_kept["num_cached_tokens"] == 0
+    hit = A_CPU_HITS[RESTART_LENGTH]
+    assert (b2["num_cached_tokens"], b2["external_hits"], b2["local_hits"]) == (hit, hit, 0)
+    assert (uncached["num_cached_tokens"], reference["num_cached_tokens"]) == (0, hit)
+    assert (b2["token_ids"], b2["logprobs"]) == (reference["token_ids"], reference["logprobs"])
+    assert a_kept["token_ids"] == uncached["token_ids"]
+
+
+def test_stopped_engine_keys_are_clean_misses(cluster):
+    run, uncached, growth = (cluster["a stopped", k] for k in ("b2", "b2 uncached", "growth"))
+    assert (run["num_cached_tokens"], run["external_hits"]) == (0, 0)
+    assert (run["token_ids"], run["logprobs"]) == (uncached["token_ids"], uncached["logprobs"])
+    # One store round trip answered "absent" for every key asked; nothing failed, the store stays in use.
+    assert (growth["lookups"], growth["keys_found"], growth["blocks_installed"]) == (1, 0, 0)
+    assert growth["keys_absent"] > 0
+    assert (growth["lookup_errors"], growth["lookup_timeouts"], growth["breaker_trips"], growth["lookups_skipped"]) == (0, 0, 0, 0)
+    assert cluster["a stopped", "available"] is True
+    print(f"\nA stopped: B2 asked {growth['keys_absent']} of A's keys in {growth['lookups']} lookup, all absent")
+
+
+def test_full_store_keeps_the_newest_and_misses_the_evicted_cleanly(cluster):
+    assert cluster["a2 ready"] is True
+    a2_runs, a2 = cluster["full", "a2"], cluster["full", "a2 growth"]
+    assert [r["num_cached_tokens"] for r in a2_runs] == [0] * FULL_PROMPTS
+    # A2 wrote more than the store holds; a put refused for space waits while the master evicts, never a fault.
+    assert a2["bytes_put"] > 32 << 20
+    assert (a2["put_failures"], a2["breaker_trips"], a2["puts_dropped"]) == (0, 0, 0)
+    last, first = cluster["full", "last"], cluster["full", "first"]
+    assert (last["num_cached_tokens"], last["external_hits"], last["local_hits"]) == (FULL_HIT, FULL_HIT, 0)
+    # All 1,968 tokens in one store round trip (the lookup's survey), not one per attention block.
+    assert cluster["full", "last lookups"] == 1
+    assert (first["num_cached_tokens"], first["external_hits"]) == (0, 0)
+    b2 = cluster["full", "b2 growth"]
+    assert b2["keys_absent"] > 0 and b2["keys_found"] == b2["blocks_installed"] > 0
+    assert (b2["lookup_errors"], b2["lookup_timeouts"], b2["breaker_trips"], b2["lookups_skipped"]) == (0, 0, 0, 0)
+    reference = cluster["full", "last reference"]
+    assert reference["num_cached_tokens"] == FULL_HIT
+    assert (last["token_ids"], last["logprobs"]) == (reference["token_ids"], reference["logprobs"])
+    uncached = cluster["full", "first uncached"]
+    assert uncached["num_cached_tokens"] == 0
+    assert (first["token_ids"], first["logprobs"]) == (uncached["token_ids"], uncached["logprobs"])
+    assert cluster["full", "last uncached"]["token_ids"] == a2_runs[-1]["token_ids"]
+    print(
+        f"\nstore full: A2 put {a2['blocks_put']} blocks ({a2['keys_put']} keys, {a2['bytes_put']} bytes), "
+        f"{a2['put_full_retries']} put retries while the master evicted, {a2['puts_store_full']} blocks dropped full; "
+        f"longest A2 engine step {max(r['longest_step_s'] for r in a2_runs) * 1000:.1f} ms, longest connector call "
+        f"{max(r['longest_connector_call_s'] for r in a2_runs) * 1000:.2f} ms; B2 growth {b2}"
+    )
 
 
 def test_nothing_left_behind(cluster):

@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop with exit 2 at the first request vLLM would refuse (too long for the model); by default "
         "such requests are counted per reason and left out, as a server answers them with an error",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N configurations at once, each in a process of its own (default 1: one after "
+        "another in this process); the numbers are the same, the run takes about as long as its slowest "
+        "configuration when N cores are free, and each process holds its own copy of the trace",
+    )
     add_geometry_arguments(parser)
     from hybrid_kv_plugin.cli import replay_inputs
 
@@ -95,6 +104,12 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         return render_comparison(args.compare, out)
     from hybrid_kv_plugin.cli import cluster
 
+    jobs = getattr(args, "jobs", 1)
+    if jobs < 1:
+        raise SystemExit(f"hybrid-kv: --jobs must be >= 1, got {jobs}")
+    if jobs > 1 and cluster.requested(args):
+        raise SystemExit("hybrid-kv: --jobs runs the configurations of a single-engine replay in parallel; "
+                         "it does not apply with --engines")
     if cluster.requested(args):  # --engines N > 1: the cluster runner (cli/cluster.py)
         return cluster.run_cluster_command(args, out)
     started = _wall()
@@ -119,26 +134,22 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     for note in pool_notes:
         if "warning" in note:
             print(f"hybrid-kv: {note}", file=sys.stderr)
-    from hybrid_kv_plugin.sim.replay import replay
-
-    for config in configs:
-        _warm_up(config)
-    startup = _wall() - started
     total = sum(len(s.requests) for s in segments)
-    from hybrid_kv_plugin.cli.progress import Progress
-
-    progress = Progress(total, lines=True)
-    results, timings = [], []
     # --cold-replay sums the replay pass from the full per-request rows.
     rows = args.per_request or args.cold_replay
-    for number, config in enumerate(configs, start=1):
-        progress.start(f"{config.name} [{number}/{len(configs)}]", total)
-        # No StepTimer here: its process-CPU clock costs a system call per step (up to a third of
-        # a long replay's time on a busy machine); steps/s is steps over wall time.
-        run_started = _wall()
-        results.append(replay(segments, settings, config, progress=progress.update, per_request=rows))
-        timings.append(_timing(_wall() - run_started, total, results[-1].steps))
-    progress.close()
+    labels = [f"{config.name} [{number}/{len(configs)}]" for number, config in enumerate(configs, start=1)]
+    if jobs > 1 and len(configs) > 1:
+        startup = _wall() - started
+        results, timings = _run_in_processes(segments, settings, configs, labels, rows, jobs)
+    else:
+        for config in configs:
+            _warm_up(config)
+        startup = _wall() - started
+        results, timings = [], []
+        for label, config in zip(labels, configs):
+            result, timing = _run_config(segments, settings, config, label, rows)
+            results.append(result)
+            timings.append(timing)
     from hybrid_kv_plugin.cli.report import build_report, render_report
 
     report = build_report(segments, settings, results, per_request=args.per_request, model=model)
@@ -166,6 +177,58 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     return 0
 
 
+def _run_config(segments: list[Any], settings: Any, config: Any, label: str, rows: bool) -> tuple[Any, dict[str, Any]]:
+    """One configuration's replay and its timing, with its own progress lines on stderr."""
+    import gc
+    import time
+
+    from hybrid_kv_plugin.cli.progress import Progress
+    from hybrid_kv_plugin.sim.replay import replay
+
+    total = sum(len(s.requests) for s in segments)
+    progress = Progress(total, lines=True)
+    progress.start(label, total)
+    # As vLLM's engine core does once started (``freeze_gc_heap``): what exists now (imports, the
+    # trace) leaves the collector's view for the run, so its full collections scan what the run
+    # allocates, not the whole heap (about a tenth of a replay's CPU otherwise).
+    gc.collect()
+    gc.freeze()
+    # No StepTimer here: its process-CPU clock costs a system call per step (up to a third of
+    # a long replay's time on a busy machine); steps/s is steps over wall time.
+    started, cpu_started = _wall(), time.process_time()
+    try:
+        result = replay(segments, settings, config, progress=progress.update, per_request=rows)
+    finally:
+        gc.unfreeze()
+    timing = _timing(_wall() - started, total, result.steps, time.process_time() - cpu_started)
+    progress.close()
+    return result, timing
+
+
+def _child_run(segments: list[Any], settings: Any, config: Any, label: str, rows: bool) -> tuple[Any, dict[str, Any]]:
+    """``--jobs``: one configuration in a process of its own, warmed up there first (its wall time
+    and peak RSS are that process's, start-up apart, as in a sequential run)."""
+    from hybrid_kv_plugin.cli.main import route_vllm_logs
+
+    route_vllm_logs()
+    _warm_up(config)
+    return _run_config(segments, settings, config, label, rows)
+
+
+def _run_in_processes(segments: list[Any], settings: Any, configs: list[Any], labels: list[str], rows: bool,
+                      jobs: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Each configuration in a fresh (spawned) process, up to ``jobs`` at once; results in
+    ``configs`` order. Spawned, not forked: the parent has run torch, whose thread pools a fork
+    does not carry over safely. A child's failure is raised here, with its traceback."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_child_run, segments, settings, c, label, rows) for c, label in zip(configs, labels)]
+        done = [f.result() for f in futures]
+    return [r for r, _ in done], [t for _, t in done]
+
+
 def _wall() -> float:
     import time
 
@@ -183,13 +246,16 @@ def _warm_up(config: Any) -> None:
     replay([warm], ReplaySettings(gpu_blocks=64, cpu_blocks=64), config, observe=False, per_request=False)
 
 
-def _timing(seconds: float, requests: int, steps: int) -> dict[str, Any]:
-    """Wall time, throughput and peak RSS of one configuration's run (this process so far)."""
+def _timing(seconds: float, requests: int, steps: int, cpu_seconds: float) -> dict[str, Any]:
+    """Wall and CPU time (user + system of this process, read twice a run: on a shared machine
+    the CPU time is the figure that compares), throughput and peak RSS of one configuration's
+    run (this process so far)."""
     import resource
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "wall_s": round(seconds, 1),
+        "cpu_s": round(cpu_seconds, 1),
         "requests_per_s": round(requests / seconds, 2) if seconds else None,
         "steps_per_s": round(steps / seconds, 1) if seconds else None,
         "peak_rss_mib": round(peak_kib / 1024),
@@ -249,6 +315,7 @@ def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> A
         max_model_len=model.max_model_len,
         max_num_batched_tokens=model.max_num_batched_tokens,
         max_num_seqs=model.max_num_seqs,
+        mamba_groups=model.mamba_groups,
     )
 
 

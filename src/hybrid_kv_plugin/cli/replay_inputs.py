@@ -245,6 +245,7 @@ def cap_pools(settings: Any, model: Any, segments: Sequence[Any]) -> tuple[Any, 
         mamba_block_size=settings.mamba_block_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         num_speculative_tokens=settings.num_speculative_tokens,
+        mamba_groups=settings.mamba_groups,
     )
     notes = []
     changes = {}

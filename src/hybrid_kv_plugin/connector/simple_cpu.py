@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from hybrid_kv_plugin.config import connector_options_from
+from hybrid_kv_plugin.offload.eviction import attach_cpu_tier_policy, check_cpu_tier_eviction
 from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
 from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS, BoundaryStoreStats
@@ -33,6 +34,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         self.hybrid_kv_adapter = adapter
         # Raises (one message naming the wheel it needs) before anything is allocated.
         self.offload_mode = choose_mode(adapter, self.hybrid_kv_options, vllm_config, kv_cache_config)
+        check_cpu_tier_eviction(self.hybrid_kv_options.cpu_tier_eviction, self.offload_mode, adapter)
         # Worker side on wheels whose runner skips wait_for_save() on steps without a
         # forward pass: stores queued when a request finished would never be sent.
         self._submit_on_clear = (
@@ -50,6 +52,8 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
 
             self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
             self._backport_scheduler = self.scheduler_manager
+        # The CPU tier's eviction order (offload/eviction.py); None: the wheel's LRU.
+        self.cpu_tier_policy = attach_cpu_tier_policy(self)
 
     # ------------------------------------------------------------------ worker side
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -70,6 +74,11 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         super().clear_connector_metadata()
 
     # ------------------------------------------------------------------ scheduler side
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.cpu_tier_policy is not None:
+            self.cpu_tier_policy.observe_step(scheduler_output, self.scheduler_manager._gpu_block_pool)
+        return super().build_connector_meta(scheduler_output)
+
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while queued or in-flight stores remain (0.30+ does so natively)."""
         if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:

@@ -52,6 +52,8 @@ class ModelGeometry:
     cpu_bytes: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    # KV-cache groups of Mamba layers the planner made: the pool blocks one Mamba state takes.
+    mamba_groups: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -293,6 +295,7 @@ def _resolve(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None) 
         cpu_bytes=cpu,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         max_num_seqs=scheduler_config.max_num_seqs,
+        mamba_groups=sum(isinstance(g.kv_cache_spec, MambaSpec) for g in groups),
     )
 
 

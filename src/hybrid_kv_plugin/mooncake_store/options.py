@@ -18,6 +18,8 @@ INSTALL_HINT = (
     "pip install 'hybrid-kv-plugin[mooncake]' (PyPI mooncake-transfer-engine-non-cuda; "
     "it needs the system library libibverbs.so.1, Debian/Ubuntu: apt-get install libibverbs1)"
 )
+# The Mooncake client's smallest global segment (0.3.13.post1: below it, setup fails with -600).
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class StoreOptions:
                 expected = "a string" if kind is str else f"a positive {kind.__name__}"
                 raise PluginConfigError(f"invalid hybrid-kv-plugin configuration: {where}.{name}: {value!r} is not {expected}")
             values[name] = value
+        if values.get("global_segment_bytes", MIN_SEGMENT_BYTES) < MIN_SEGMENT_BYTES:
+            raise PluginConfigError(
+                f"invalid hybrid-kv-plugin configuration: {where}.global_segment_bytes: {values['global_segment_bytes']} "
+                f"is below {MIN_SEGMENT_BYTES} (16 MiB), the Mooncake client's smallest segment"
+            )
         return cls(**values)
 
 

@@ -7,6 +7,10 @@ Invariants:
 - A lookup that has not finished within ``lookup_timeout_s``, or any store error, opens
   the circuit breaker for ``retry_s``: lookups are then answered "nothing" at once and
   puts are dropped (both counted). The first call after that window probes again.
+- A full store is no fault: a put the store refuses for space (:data:`STORE_FULL`) is
+  retried on the put thread while the master evicts (its oldest objects first), at most
+  ``full_wait_s``, then dropped and counted; the breaker stays closed, and a key the store
+  evicted is a plain miss for every reader.
 - A value is ``8-byte little-endian num_tokens (-1: None) + the block's bytes``; its key is
   ``<namespace>/<block hash with group id, hex>``. The namespace names the model and the
   block layout, so two models sharing a master never read each other's bytes.
@@ -24,6 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _HEADER = struct.Struct("<q")
+# Mooncake's NO_AVAILABLE_HANDLE: no segment has room for the object. Measured (0.3.13.post1,
+# default master): the master then evicts 5% of its objects, oldest first, and a retry 10-25 ms
+# later lands.
+STORE_FULL = -200
+FULL_RETRY_S = 0.01
 
 
 @dataclass
@@ -35,6 +44,8 @@ class StoreCounters:
     bytes_put: int = 0
     put_failures: int = 0
     puts_dropped: int = 0  # not written: breaker open, client not ready, or queue full
+    put_full_retries: int = 0  # puts the store refused for space, retried while it evicts
+    puts_store_full: int = 0  # blocks not written: still refused for space after ``full_wait_s``
     lookups: int = 0  # jobs sent to the store
     keys_found: int = 0
     keys_absent: int = 0
@@ -84,9 +95,11 @@ class StoreTier:
         lookup_timeout_s: float,
         retry_s: float,
         max_queued_puts: int,
+        full_wait_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.namespace = namespace
+        self.full_wait_s = full_wait_s
         self.lookup_timeout_s = lookup_timeout_s
         self.retry_s = retry_s
         self._clock = clock
@@ -167,14 +180,28 @@ class StoreTier:
                 self._count(puts_dropped=1)
                 continue
             try:
-                failed = [key for key, num_tokens in keys if self._client.put(key, encode(num_tokens, payload)) != 0]
+                codes = [self._put_waiting_for_room(key, encode(num_tokens, payload)) for key, num_tokens in keys]
             except Exception:  # noqa: BLE001 - any client error is a store failure, never the engine's
-                failed = [key for key, _ in keys]
-            if failed:
+                codes = [None]
+            if any(code not in (0, STORE_FULL) for code in codes):
                 self._count(put_failures=1)
                 self.trip()
+            elif STORE_FULL in codes:
+                self._count(puts_store_full=1)
             else:
                 self._count(blocks_put=1, keys_put=len(keys), bytes_put=len(payload) * len(keys))
+
+    def _put_waiting_for_room(self, key: str, value: bytes) -> int:
+        """``put``; while the store answers "full", retry every ``FULL_RETRY_S`` (the master is evicting), for
+        about ``full_wait_s`` in all (counted in retries, so a stand-in clock cannot stretch it)."""
+        code = self._client.put(key, value)
+        for _ in range(max(1, round(self.full_wait_s / FULL_RETRY_S))):
+            if code != STORE_FULL or self._closed.is_set():
+                break
+            self._count(put_full_retries=1)
+            self._closed.wait(FULL_RETRY_S)
+            code = self._client.put(key, value)
+        return code
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, keys: Iterable[str]) -> LookupJob | None:

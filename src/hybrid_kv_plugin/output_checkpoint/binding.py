@@ -27,12 +27,18 @@ class OutputCheckpoint:
     inside an answer (multiples of the unit and of the block size of every group that cannot be
     keyed inside a block). ``attention_block_sizes``: the full-attention groups, keyed at each kept
     position inside their block (``prompt_tail_attention``). ``eagle_drop``: the lookup drops the
-    last matched step (EAGLE block drop), so the state one step below the last boundary is kept too."""
+    last matched step (EAGLE block drop), so the state one step below the last boundary is kept too.
+    ``late_outputs``: the scheduler is vLLM's ``AsyncScheduler``: a step's sampled token arrives
+    after the next step is scheduled, so a boundary's hash is known only once the forward that
+    overwrites its state is already scheduled (see :mod:`.rolling`). ``speculative``: the
+    scheduler runs draft tokens (under ``late_outputs`` no answer state is kept then)."""
 
     hash_block_size: int
     step: int
     attention_block_sizes: tuple[int, ...] = ()
     eagle_drop: bool = False
+    late_outputs: bool = False
+    speculative: bool = False
 
     def keeps(self, position: int, num_prompt_tokens: int) -> bool:
         """Whether the answer state at ``position`` is kept (and the attention keyed there).
@@ -62,6 +68,13 @@ def output_checkpoint_requested(scheduler: Any) -> bool:
     return bool(getattr(getattr(scheduler, "hybrid_kv_config", None), "mamba_output_checkpoint", False))
 
 
+def _outputs_arrive_late(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is vLLM's ``AsyncScheduler`` (requests carry output placeholders)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    return isinstance(scheduler, AsyncScheduler)
+
+
 def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
     """Bind the scheduler's option to its ``align`` Mamba managers; None when it stays off."""
     if not output_checkpoint_requested(scheduler):
@@ -88,6 +101,8 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
         step=step,
         attention_block_sizes=tuple(sorted({m.block_size for m in attention if step % m.block_size})),
         eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr, False)),
+        late_outputs=_outputs_arrive_late(scheduler),
+        speculative=bool(getattr(scheduler, "num_spec_tokens", 0)),
     )
     for manager in coordinator.single_type_managers:
         if getattr(manager, "mamba_cache_mode", None) == "align" or (

@@ -9,6 +9,15 @@ later turn's hit lands on the newest one), so they leave the prefix cache: a
 running request holds at most :attr:`OutputCheckpoint.max_states` of them, and a
 finished one leaves its last in the GPU prefix cache (evictable).
 
+Under vLLM's ``AsyncScheduler`` (what a GPU ``vllm serve`` runs) the token that
+completes a boundary's hash is sampled by the step before, whose output arrives
+only after the next step is scheduled: the boundary is cached while allocating the
+step whose forward overwrites the running state block, after the wheel's own
+copy-on-write of that allocation was queued. :func:`late_boundary` tells the two
+cases apart; the state is then copied into a fresh block in that same step
+(:func:`_copy_out_now`), so the kept state is the one after exactly the tokens its
+key names, as under ``Scheduler``.
+
 The records live on the request, per KV-cache group, so they end with it.
 """
 
@@ -18,9 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import OutputCheckpoint
-from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
+from hybrid_kv_plugin.mamba_partial_state import cache_partial_key, keep_partial_state
 
 REQUEST_ATTR = "hybrid_kv_output_states"
+# Under AsyncScheduler (late_boundary): the step ending at the boundary still runs or its output
+# is still due, and the step being scheduled overwrites the state; or nothing is scheduled past it.
+IN_FLIGHT = "in_flight"
+IDLE = "idle"
 
 
 @dataclass
@@ -65,19 +78,56 @@ def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: 
         _drop(manager, request, stale)
         states.remove(stale)
     # Mamba block ends are full-block entries (cached by the wheel, or for the option by
-    # prompt_tail_retention); a step that does not compute up to num_tokens (a resumed
-    # request's cached part) writes no state there.
-    if num_tokens % manager.block_size == 0 or request.num_computed_tokens >= num_tokens:
+    # prompt_tail_retention).
+    if num_tokens % manager.block_size == 0:
         return None
     blocks = manager.req_to_blocks[request.request_id]
     index = num_tokens // manager.block_size
     holder = blocks[index] if index < len(blocks) else None
+    late = None
+    if request.num_computed_tokens >= num_tokens:
+        late = late_boundary(request, num_tokens, checkpoint)
+        if late is None or holder is None or holder.is_null:
+            # A step that does not compute up to num_tokens (a resumed request's cached part)
+            # writes no state there; or the forward that overwrites it is already scheduled.
+            return None
+        if late == IN_FLIGHT:
+            kept = _copy_out_now(manager, request, num_tokens, holder)
+            if kept is None:
+                return None
+            states.append(kept)
+            return kept.key
+    # Scheduler: cached at schedule time for the step computing up to num_tokens. AsyncScheduler,
+    # nothing scheduled past num_tokens: the same, a step late (a request that stops here leaves
+    # the state in its freed block, and 0.30+ hand a producer's partial tail over at finish).
     key = keep_partial_state(manager, request, num_tokens, producer_holds_block)
     if key is not None:
         states.append(KeptState(num_tokens, key, holder))
-        if request.num_output_tokens + 1 >= request.max_tokens:
+        if late is None and request.num_output_tokens + 1 >= request.max_tokens:
             _hand_off_last_step(manager, request, holder, num_tokens)
     return key
+
+
+def late_boundary(request: Any, num_tokens: int, checkpoint: OutputCheckpoint) -> str | None:
+    """Under ``AsyncScheduler``, where the state after ``num_tokens`` is when that boundary is cached.
+
+    The boundary is cached once its last token is known, a step after the forward that
+    computes it was scheduled: when the next step is allocated (that step's forward
+    will overwrite the running state block), or when the output arrives. Returns
+    :data:`IN_FLIGHT` when the last scheduled step ends at ``num_tokens`` and its output is
+    still due (the caller is the next step's allocation), :data:`IDLE` when it ends there
+    and nothing more is scheduled, None otherwise (a later step is already scheduled, or
+    the request is not decoding: a finished load, a draft).
+    """
+    if not checkpoint.late_outputs or checkpoint.speculative or request.num_computed_tokens != num_tokens:
+        return None
+    if request.num_output_placeholders > 0:
+        return IN_FLIGHT
+    from vllm.v1.request import RequestStatus
+
+    if request.status == RequestStatus.RUNNING or request.is_finished():
+        return IDLE
+    return None
 
 
 def _block_end_kept(manager: Any, request: Any, num_tokens: int) -> bool:
@@ -124,6 +174,30 @@ def _hand_off_last_step(manager: Any, request: Any, holder: Any, num_tokens: int
     """
     manager._producer_partial_tail_reqs.pop(request.request_id, None)
     manager._pending_boundary_state_offloads.append((request.request_id, manager.kv_cache_group_id, holder, num_tokens))
+
+
+def _copy_out_now(manager: Any, request: Any, num_tokens: int, holder: Any) -> KeptState | None:
+    """Key the state after ``num_tokens`` on a fresh block and queue its copy from ``holder`` now.
+
+    The allocation of the step being scheduled has already run (the wheel's own
+    copy-on-write is queued there), and that step's forward overwrites ``holder``;
+    the queued copy runs before it, after the in-flight forward that writes the
+    state. As for the wheel's copy-on-write of a running request, both blocks are
+    held until the step has run (the scheduler frees the copy's retention) and the
+    copy is handed to a connector. No free block: nothing kept (lost reuse only).
+    """
+    pool = manager.block_pool
+    if pool.get_num_free_blocks() < 1:
+        return None
+    copy = pool.get_new_blocks(1)[0]
+    key = cache_partial_key(manager, request, copy, num_tokens)
+    if key is None:
+        pool.free_blocks([copy])
+        return None
+    holder.ref_cnt += 1
+    manager._pending_cow_copies.append((holder, copy))
+    manager._pending_boundary_state_offloads.append((request.request_id, manager.kv_cache_group_id, copy, num_tokens))
+    return KeptState(num_tokens, key, holder, copy=copy)
 
 
 def _drop(manager: Any, request: Any, state: KeptState) -> None:

@@ -27,6 +27,10 @@ the next forward pass. So the state after a decode step ending at ``p`` is in
 block ``p // block_size`` until the next step, whose allocation queues the
 copy-on-write into a fresh block that keeps the key; the scheduler frees that
 copy's retention once the step ran. No worker patch is needed.
+Under ``AsyncScheduler`` the boundary is cached a step late, while the step whose
+forward overwrites block ``p // block_size`` is being allocated: the state is
+copied into a fresh block in that step's copies, which the runner runs before that
+forward (:func:`hybrid_kv_plugin.output_checkpoint.rolling.late_boundary`).
 
 Upstream: none (vLLM issue #56972, open); installed on 0.29.0-0.33.x. On vLLM
 0.26-0.28 the Mamba boundary hand-offs come from the plugin's own channel

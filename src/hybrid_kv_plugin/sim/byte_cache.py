@@ -65,6 +65,12 @@ class _Powers:
             self.table = np.concatenate([self.table, tail])
         return self.table[start:stop]
 
+    def at(self, i: int) -> int:
+        """``BASE ** (i + 1)`` as a Python int (one decode token: no slice, no list)."""
+        if i >= len(self.table):
+            self.get(i, i + 1)
+        return self.table.item(i)
+
 
 class _Prefix:
     """Hashes of a request's token prefixes: ``h[p]`` covers tokens ``[0, p)``.
@@ -73,11 +79,12 @@ class _Prefix:
     step) costs O(1) amortised instead of a copy of every earlier hash.
     """
 
-    __slots__ = ("buf", "known")
+    __slots__ = ("buf", "known", "last")
 
     def __init__(self) -> None:
         self.buf = np.zeros(1, dtype=np.uint64)
         self.known = 0  # tokens hashed: buf[: known + 1] is valid
+        self.last = 0  # buf[known] as a Python int
 
     @property
     def h(self) -> np.ndarray:
@@ -86,6 +93,13 @@ class _Prefix:
     def upto(self, tokens: Sequence[int], stop: int, powers: _Powers, pad: int | None = None) -> np.ndarray:
         """``pad``: the token at every position from ``len(tokens)`` up to ``stop``."""
         known = self.known
+        if stop == known + 1 and stop < len(self.buf):
+            # One decode token, the common step: Python ints only (same sum, modulo 2**64).
+            token = pad if pad is not None and known >= len(tokens) else tokens[known]
+            h = self.last = (self.last + (int(token) + 1) * powers.at(known)) & _M64
+            self.buf[stop] = h
+            self.known = stop
+            return self.buf[: stop + 1]
         if stop > known:
             ids = tokens[known:stop]
             if pad is not None:
@@ -105,6 +119,7 @@ class _Prefix:
                 new = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
                 self.buf[known + 1 : stop + 1] = np.cumsum(new * powers.get(known, stop), dtype=np.uint64) + self.buf[known]
             self.known = stop
+            self.last = self.buf.item(stop)
         return self.buf[: self.known + 1]
 
 
@@ -134,7 +149,7 @@ def make_tag(prefix_hashes: np.ndarray, end: int, group: int) -> int:
     numpy's per-call cost was most of the byte check's time). Same value, bit for bit."""
     if end > _MAX_END:
         raise ValueError(f"the byte check encodes positions below {_MAX_END}; got {end}")
-    mixed = (int(prefix_hashes[end]) * _MIX_INT) & _M64
+    mixed = (prefix_hashes.item(end) * _MIX_INT) & _M64
     mixed ^= mixed >> 29
     mixed = (mixed * _MIX_INT) & _M64
     tag = (mixed & _HIGH_INT) | (end << _GROUP_BITS) | group
@@ -250,7 +265,9 @@ class ByteCache:
         request = self.engine.scheduler.requests.get(req_id)
         if request is None:
             return None
-        prefix = self.prefixes.setdefault(req_id, _Prefix())
+        prefix = self.prefixes.get(req_id)
+        if prefix is None:
+            prefix = self.prefixes[req_id] = _Prefix()
         tokens = request.all_token_ids
         if 0 < stop - len(tokens) <= request.num_output_placeholders:
             # Async scheduling: a decode runs before the scheduler has its input token, the
@@ -338,8 +355,10 @@ class ByteCache:
                 self.stats.fresh_hits += 1
             for group, block_size in self.attention:
                 self._attention(req_id, table[group], group, block_size, start, num_tokens, h, fresh)
+            # Every Mamba group moves its state from the same previous index (one block size for all).
+            prev_state = self.mamba_state_idx.get(req_id)
             for group, block_size in self.mamba:
-                self._mamba(req_id, table[group], group, block_size, start, num_tokens, h, fresh)
+                self._mamba(req_id, table[group], group, block_size, start, num_tokens, h, fresh, prev_state)
             self.next_position[req_id] = start + num_tokens
 
     def _attention(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
@@ -354,7 +373,7 @@ class ByteCache:
                 self.stats.hit_attention_slots += 1
             block = table[first_read * per_slot // block_size]
             expected = make_tag(h, min((first_read + 1) * per_slot, start), group)
-            if int(gpu[block, first_read % self.slots]) != expected:
+            if gpu.item(block, first_read % self.slots) != expected:
                 self._compare(req_id, f"attention (group {group}) before tokens {start}..{start + num}",
                               [block], [first_read % self.slots], np.array([expected], dtype=np.int64))
         elif last_read > first_read:
@@ -381,8 +400,7 @@ class ByteCache:
         gpu[blocks, write % self.slots] = make_tags(h, ends, group)
 
     def _mamba(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
-               h: np.ndarray, fresh: bool) -> None:
-        prev = self.mamba_state_idx.get(req_id)
+               h: np.ndarray, fresh: bool, prev: int | None) -> None:
         if prev is None:
             prev = (start - 1) // block_size
         curr = -(-(start + num) // block_size) - 1
@@ -400,7 +418,7 @@ class ByteCache:
             if fresh:
                 self.stats.hit_mamba_states += 1
             expected = make_tag(h, start, group)
-            if int(gpu[table[curr], 0]) != expected:
+            if gpu.item(table[curr], 0) != expected:
                 self._compare(req_id, f"Mamba state (group {group}) read at token {start}", [table[curr]], [0],
                               np.array([expected], dtype=np.int64), (h, group, block_size))
         gpu[table[curr]] = make_tag(h, start + num, group)

@@ -51,6 +51,8 @@ class ReplayConfig:
     retention: Retention | None = None
     # Stock only: the wheel's native shared-prefix checkpoint switch on (the adapter names it).
     native_shared_prefix_checkpoint: bool = False
+    # ``kv_connector_extra_config.cpu_tier_eviction`` (plugin only; offload/eviction.py).
+    cpu_tier_eviction: str = "lru"
 
     @property
     def connector(self) -> str:
@@ -75,6 +77,12 @@ class ReplayConfig:
         if self.mamba_divergence_checkpoint:
             options["mamba_divergence_checkpoint"] = True
         return {"hybrid_kv": options} if options else None
+
+    def connector_extra_config(self) -> dict[str, Any]:
+        """The plugin's connector options this configuration sets (beyond the CPU budget)."""
+        if self.plugin and self.cpu_tier_eviction != "lru":
+            return {"cpu_tier_eviction": self.cpu_tier_eviction}
+        return {}
 
     def engine_geometry(self, geometry: Any, adapter: Any) -> Any:
         """``geometry`` with this configuration's stock knobs set (the retention interval in
@@ -130,4 +138,7 @@ CONFIGS = {
     "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
     "plugin+output-checkpoint": ReplayConfig("plugin+output-checkpoint", plugin=True, mamba_output_checkpoint=True),
     "plugin+divergence": ReplayConfig("plugin+divergence", plugin=True, mamba_divergence_checkpoint=True),
+    "plugin+divergence+hybrid-tier": ReplayConfig(
+        "plugin+divergence+hybrid-tier", plugin=True, mamba_divergence_checkpoint=True, cpu_tier_eviction="hybrid"
+    ),
 }

@@ -13,6 +13,8 @@ MODEL_DIR = "tiny-qwen3-next"
 DRAFT_DIR = "tiny-llama-draft"
 ATTENTION_LAYER = "model.layers.3.self_attn.attn"
 MAMBA_LAYER = "model.layers.0.linear_attn"
+# The tiny model's other linear-attention layers, for the 2nd.. Mamba group (tiny-qwen3-next has 3).
+EXTRA_MAMBA_LAYERS = ("model.layers.1.linear_attn", "model.layers.2.linear_attn")
 DRAFT_LAYER = "draft_model.layers.0.self_attn.attn"
 # Bytes of one attention page: block_size tokens x 1 head x 16 dims x fp16 x (K, V).
 _ATTN_BYTES_PER_TOKEN = 1 * 16 * 2 * 2
@@ -24,9 +26,13 @@ def data_dir(name: str) -> str:
 
 @dataclass(frozen=True)
 class HybridGeometry:
-    """One full-attention group plus one Mamba group, page sizes equal (as vLLM requires).
+    """One full-attention group plus ``mamba_groups`` Mamba groups, page sizes equal (as vLLM requires).
 
     ``hash_block_size`` is the prefix-match unit (``CacheConfig.prefix_match_unit``).
+    ``mamba_groups`` is what one Mamba state costs in pool blocks: vLLM's planner puts as many
+    layers in a group as the smallest layer kind has (Qwen3-Next: 12 attention + 36 Mamba
+    layers, so 1 attention group and 3 Mamba groups), and a state at one position takes one
+    block in every Mamba group, where a block of attention KV takes one.
     """
 
     attention_block_size: int = 16
@@ -53,6 +59,8 @@ class HybridGeometry:
     # Only the full-attention group, as a non-hybrid model has (the Mamba fields are
     # then ignored and the cache runs without a Mamba cache mode).
     full_attention_only: bool = False
+    # Mamba groups over the shared pool (the resolved model's Mamba layers / layers per group).
+    mamba_groups: int = 1
 
     @property
     def attention_page_bytes(self) -> int:
@@ -166,8 +174,9 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
     assert attention.page_size_bytes == mamba.page_size_bytes, "hybrid groups must share one page size"
     page = attention.page_size_bytes
     attention_layers = [ATTENTION_LAYER] + ([DRAFT_LAYER] if geometry.eagle else [])
+    mamba_layers = mamba_layer_names(geometry.mamba_groups)
     tensor = make_kv_cache_tensor(
-        adapter, page * geometry.num_gpu_blocks, [*attention_layers, MAMBA_LAYER], page
+        adapter, page * geometry.num_gpu_blocks, [*attention_layers, *mamba_layers], page
     )
     retention: dict[str, Any] = {}
     if geometry.prefix_cache_retention_interval is not None and adapter.retention_interval_env_var is None:
@@ -175,6 +184,19 @@ def build_kv_cache_config(geometry: HybridGeometry, adapter: Any) -> Any:
     return KVCacheConfig(
         num_blocks=geometry.num_gpu_blocks,
         kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(attention_layers, attention), KVCacheGroupSpec([MAMBA_LAYER], mamba)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(attention_layers, attention),
+            *(KVCacheGroupSpec([name], mamba) for name in mamba_layers),
+        ],
         **retention,
     )
+
+
+def mamba_layer_names(groups: int) -> list[str]:
+    """One layer name per Mamba group: the first is ``MAMBA_LAYER``; past the tiny model's
+    layers the names are synthetic (the scheduler side reads groups, never layer modules)."""
+    if groups < 1:
+        raise ValueError(f"mamba_groups must be at least 1, got {groups}")
+    names = [MAMBA_LAYER, *EXTRA_MAMBA_LAYERS]
+    names += [f"model.layers.{100 + i}.linear_attn" for i in range(len(names), groups)]
+    return names[:groups]

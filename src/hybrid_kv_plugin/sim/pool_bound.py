@@ -25,9 +25,10 @@ def blocks_a_workload_can_take(
     mamba_block_size: int,
     max_num_batched_tokens: int,
     num_speculative_tokens: int = 1,
+    mamba_groups: int = 1,
 ) -> int:
     """An upper bound on the blocks every request of ``segments`` allocates over a whole run,
-    both KV-cache groups (full attention with its draft layer, and Mamba), plus the null block.
+    every KV-cache group (full attention with its draft layer, and each Mamba group), plus the null block.
 
     Per request and group: its tokens (prompt, answer, speculative look-ahead) in that group's
     blocks, one per prefill chunk (align mode keeps a state block where a chunk ends) and two
@@ -40,5 +41,5 @@ def blocks_a_workload_can_take(
             prompt = len(request.prompt_token_ids)
             tokens = prompt + request.max_tokens + num_speculative_tokens + 1
             chunks = -(-prompt // max(max_num_batched_tokens, 1))
-            total += 2 * (-(-tokens // block) + chunks + 2)
+            total += (1 + mamba_groups) * (-(-tokens // block) + chunks + 2)
     return total

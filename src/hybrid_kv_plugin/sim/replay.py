@@ -53,6 +53,8 @@ class ReplaySettings:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
+    # Blocks one Mamba state takes (the resolved model's Mamba groups; sim/geometry.py).
+    mamba_groups: int = 1
 
     def geometry(self, segment: Segment) -> HybridGeometry:
         max_model_len = self.max_model_len
@@ -70,6 +72,7 @@ class ReplaySettings:
             max_num_seqs=self.max_num_seqs,
             eagle=self.eagle if segment.eagle is None else segment.eagle,
             num_speculative_tokens=self.num_speculative_tokens,
+            mamba_groups=self.mamba_groups,
         )
 
 
@@ -371,7 +374,7 @@ class _SegmentRun:
             self.engine = SimEngine(
                 self.geometry,
                 kv_connector=config.connector,
-                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes},
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, **config.connector_extra_config()},
                 additional_config=additional,
                 transfer_policy=TransferPolicy(delay_steps=settings.transfer_delay_steps),
             )
@@ -500,6 +503,8 @@ class _SegmentRun:
 
         def observed_build(scheduler_output: Any) -> Any:
             handoffs = boundary_handoffs(engine.adapter, scheduler_output)
+            if not handoffs:  # the counters' growth only decides hand-offs' fates: none to read
+                return build(scheduler_output)
             leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             leaving |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
             gone = {rid for rid in handoffs if rid in leaving or rid not in scheduler.requests}

@@ -1,0 +1,248 @@
+"""Eviction order of the SimpleCPU tier for a hybrid model (``cpu_tier_eviction: "hybrid"``).
+
+The tier is the wheel's own ``BlockPool`` (``cpu_block_pool``): free blocks wait in an LRU
+queue, a store takes new blocks from its head (evicting what they held) and a published copy
+or a block released after a load goes to its tail. Two things make plain LRU a poor fit for
+a hybrid model, where a Mamba state costs one block per Mamba group (Qwen3-Next: 3 blocks,
+36 state pages, against 12 attention pages for 544 tokens of attention KV):
+
+* **reuse from the GPU cache is invisible**: a prefix that every turn of a conversation reuses
+  from the GPU cache is never loaded from the tier, so its CPU copy ages as if unused and is
+  evicted first, just before the GPU cache drops it too;
+* **intermediate states are the cheapest to lose**: a prefill that runs in several chunks
+  hands off a Mamba state at each chunk end. The same request's prompt-end state (and its
+  answer-end state) supersedes them for every continuation of that request; they help only a
+  later request that branches off exactly between them, yet each costs as much as the
+  prompt-end state.
+
+:class:`HybridTierPolicy` changes the order, not the pool: it is attached to one connector's
+CPU pool (instance attributes; the ``BlockPool`` class is not patched) and only moves free
+blocks inside the free queue. Invariants:
+
+- a block the policy moves is free (``ref_cnt == 0``) and still carries the key it was
+  chosen under; blocks in use, in flight or re-used for other content are never touched;
+- the pool's own ``get_new_blocks`` still does every allocation, eviction, event and metric:
+  the policy only puts its victims at the head of the queue just before, and only as many
+  as the allocation evicts (never-used blocks at the head are taken first, as in LRU);
+- **reuse**: every block that a newly scheduled request reuses from the GPU prefix cache has
+  its CPU copy (same key) moved to the MRU end, as a CPU load would;
+- **intermediate**: when a request hands off a Mamba state deeper than one it handed off
+  before, the earlier one is *superseded*; a superseded state inside the prompt, below its
+  last unit boundary <= N-1 (either prompt-tail position is kept) and not the request's
+  divergence point (``shared_prefix_boundary``) is *demoted*: its copy (once published) is
+  evicted before any LRU block, oldest demotion first. A request's deepest state is never
+  demoted. A demoted copy that a request loads or reuses returns to plain LRU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hybrid_kv_plugin.config import PluginConfigError
+
+# The choices of ``kv_connector_extra_config.cpu_tier_eviction``.
+LRU = "lru"
+HYBRID = "hybrid"
+
+
+def check_cpu_tier_eviction(value: str, mode: Any, adapter: Any) -> None:
+    """Refuse ``hybrid`` at start-up where the connector runs the wheel's stock SimpleCPU scheduler
+    (``fine_grained_hits: false`` up to 0.29, or a model without the hybrid layout): it consumes no
+    Mamba boundary hand-offs and its CPU hits stop at whole Mamba blocks."""
+    from hybrid_kv_plugin.offload.mode import OffloadMode
+
+    if value == HYBRID and mode is OffloadMode.STOCK:
+        raise PluginConfigError(
+            "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.cpu_tier_eviction: 'hybrid' "
+            "needs the fine-grained hybrid SimpleCPU connector (fine_grained_hits true, a hybrid model with "
+            f"prefix caching), and this connector runs the stock one on vLLM {adapter.version} (allowed here: lru)"
+        )
+
+
+def attach_cpu_tier_policy(connector: Any) -> HybridTierPolicy | None:
+    """The policy ``connector``'s options ask for, on its scheduler side (None: LRU, or the worker side)."""
+    if connector.hybrid_kv_options.cpu_tier_eviction != HYBRID:
+        return None
+    manager = getattr(connector, "scheduler_manager", None)
+    if manager is None:
+        return None  # the worker side keeps no CPU pool
+    return HybridTierPolicy(manager, manager.hash_block_size)
+
+
+class HybridTierPolicy:
+    """The hybrid eviction order on one SimpleCPU scheduler's CPU pool."""
+
+    def __init__(self, manager: Any, hash_block_size: int) -> None:
+        self.manager = manager
+        self.pool = manager.cpu_block_pool
+        self.unit = hash_block_size
+        # Per running request: its deepest state handed off so far (boundary, keys).
+        self._deepest: dict[str, tuple[int, list[Any]]] = {}
+        # Keys of hand-offs staged as intermediate, until their copy is published (insertion order).
+        self._pending: dict[Any, None] = {}
+        # Published demoted copies, oldest first: block id -> (block, the key it was demoted under).
+        self.demoted: dict[int, tuple[Any, Any]] = {}
+        self.stats = {"demoted": 0, "evicted_demoted": 0, "promoted": 0, "refreshed": 0}
+        pool = self.pool
+        self._get_new_blocks = pool.get_new_blocks
+        self._free_blocks = pool.free_blocks
+        self._touch = pool.touch
+        pool.get_new_blocks = self.get_new_blocks
+        pool.free_blocks = self.free_blocks
+        pool.touch = self.touch
+
+    # ------------------------------------------------------------------ the pool's three calls
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        queue = self.pool.free_block_queue
+        if self.demoted and num_blocks <= queue.num_free_blocks:
+            need = num_blocks - _unhashed_at_head(queue, num_blocks)
+            victims = self._victims(need) if need > 0 else []
+            if victims:
+                for block in victims:
+                    queue.remove(block)
+                queue.prepend_n(victims)
+                self.stats["evicted_demoted"] += len(victims)
+        return self._get_new_blocks(num_blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        self._free_blocks(blocks)
+        if not self._pending:
+            return
+        pending = self._pending
+        for block in blocks:
+            key = block.block_hash
+            if key is not None and key in pending and block.ref_cnt == 0:
+                del pending[key]
+                self.demoted[block.block_id] = (block, key)
+                self.stats["demoted"] += 1
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        # A load pins the blocks it reads: a demoted state that serves a hit is worth keeping.
+        if self.demoted:
+            for block in blocks:
+                if self.demoted.pop(block.block_id, None) is not None:
+                    self.stats["promoted"] += 1
+        self._touch(blocks)
+
+    def _victims(self, need: int) -> list[Any]:
+        victims: list[Any] = []
+        demoted = self.demoted
+        while demoted and len(victims) < need:
+            block_id = next(iter(demoted))
+            block, key = demoted.pop(block_id)
+            # Evicted by LRU meanwhile (and maybe reused), or in use: not a victim.
+            if block.ref_cnt == 0 and block.block_hash == key:
+                victims.append(block)
+        return victims
+
+    # ------------------------------------------------------------------ what the connector tells it
+    def observe_step(self, scheduler_output: Any, gpu_pool: Any) -> None:
+        """Before the step's stores are staged: refresh reused copies, classify hand-offs."""
+        if gpu_pool is None:
+            return
+        self._refresh_reused(scheduler_output, gpu_pool)
+        self.forget(scheduler_output.finished_req_ids)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        handoffs = block_state.boundary_state_offloads if block_state is not None else None
+        if handoffs:
+            self._classify_handoffs(handoffs, gpu_pool)
+
+    def _refresh_reused(self, scheduler_output: Any, gpu_pool: Any) -> None:
+        new_reqs = scheduler_output.scheduled_new_reqs
+        if not new_reqs:
+            return
+        gpu_blocks = gpu_pool.blocks
+        lookup = self.pool.cached_block_hash_to_block.get_one_block
+        queue = self.pool.free_block_queue
+        demoted = self.demoted
+        for new in new_reqs:
+            if not new.num_computed_tokens:
+                continue
+            reused = []
+            for ids in new.block_ids:
+                for block_id in ids:
+                    key = gpu_blocks[block_id].block_hash
+                    if key is None:
+                        continue  # the null block, or one not computed yet
+                    cpu_block = lookup(key)
+                    if cpu_block is not None and cpu_block.ref_cnt == 0:
+                        reused.append(cpu_block)
+            # Deepest first, as the GPU pool frees a request's blocks: the prefix head stays longest.
+            for cpu_block in reversed(reused):
+                queue.remove(cpu_block)
+                queue.append(cpu_block)
+                if demoted.pop(cpu_block.block_id, None) is not None:
+                    self.stats["promoted"] += 1
+            self.stats["refreshed"] += len(reused)
+
+    def _classify_handoffs(self, handoffs: dict[str, Any], gpu_pool: Any) -> None:
+        states = getattr(self.manager, "_reqs_to_store", {})
+        gpu_blocks = gpu_pool.blocks
+        for req_id, entries in handoffs.items():
+            state = states.get(req_id)
+            if state is None:
+                continue
+            # One state is one hand-off per Mamba group at the same boundary.
+            by_boundary: dict[int, list[Any]] = {}
+            for _group, gpu_block_id, boundary in entries:
+                key = gpu_blocks[gpu_block_id].block_hash
+                if key is not None:
+                    by_boundary.setdefault(boundary, []).append(key)
+            for boundary in sorted(by_boundary):
+                self._handed_off(req_id, state.request, boundary, by_boundary[boundary])
+        # Keys whose copy is never published (skipped, dropped) must not pile up.
+        excess = len(self._pending) - 4 * len(self.pool.blocks)
+        if excess > 0:
+            for key in list(self._pending)[:excess]:
+                del self._pending[key]
+
+    def _handed_off(self, req_id: str, request: Any, boundary: int, keys: list[Any]) -> None:
+        """The request's newest state; the one it supersedes is demoted where it is intermediate."""
+        deepest = self._deepest.get(req_id)
+        if deepest is not None and boundary <= deepest[0]:
+            superseded = boundary, keys  # a later hand-off below the deepest one (a re-key)
+        else:
+            superseded, self._deepest[req_id] = deepest, (boundary, keys)
+        if superseded is not None and self.is_intermediate(request, superseded[0]):
+            self._demote(superseded[1])
+
+    def _demote(self, keys: list[Any]) -> None:
+        lookup = self.pool.cached_block_hash_to_block.get_one_block
+        for key in keys:
+            block = lookup(key)
+            if block is not None and block.ref_cnt == 0:  # already published
+                self.demoted[block.block_id] = (block, key)
+                self.stats["demoted"] += 1
+            else:
+                self._pending[key] = None
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests that left: no later hand-off of theirs will supersede anything."""
+        for req_id in req_ids:
+            self._deepest.pop(req_id, None)
+
+    def is_intermediate(self, request: Any, boundary: int) -> bool:
+        """Whether a state at ``boundary`` is inside the prompt below its tail (the prompt's last
+        unit boundary and the last one <= N-1 are both kept: the wheel or ``prompt_tail_checkpoint``
+        puts the tail state at either) and not the request's divergence point."""
+        if boundary >= (request.num_prompt_tokens - 1) // self.unit * self.unit:
+            return False
+        return boundary != getattr(request, "shared_prefix_boundary", None)
+
+    def reset(self) -> None:
+        self._deepest.clear()
+        self._pending.clear()
+        self.demoted.clear()
+
+
+def _unhashed_at_head(queue: Any, limit: int) -> int:
+    """Free blocks without a key at the head of ``queue`` (up to ``limit``): taking them evicts nothing."""
+    count = 0
+    block = queue.fake_free_list_head.next_free_block
+    tail = queue.fake_free_list_tail
+    while count < limit and block is not tail and block is not None and block.block_hash is None:
+        count += 1
+        block = block.next_free_block
+    return count

@@ -1,0 +1,152 @@
+"""``cpu_tier_eviction: "hybrid"``: the CPU tier's eviction order for a hybrid model (offload/eviction.py).
+
+Real scheduler, KV-cache manager and ``HybridSimpleCPUConnector`` of the installed wheel, a
+CPU tier small enough to evict: each case is one where the wheel's LRU loses a hit that the
+hybrid order keeps, measured under both. 0.26-0.29 run the plugin's backport, 0.30+ the
+wheel's own SimpleCPU scheduler: the same numbers on every wheel. Where the connector runs the
+stock SimpleCPU scheduler (``fine_grained_hits: false`` up to 0.29) the option is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hybrid_kv_plugin.adapters import Feature, Support
+from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
+from hybrid_kv_plugin.offload.mode import OffloadMode
+from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.invariants import OffloadInvariants
+
+from scenarios.offload import CONTINUATION
+
+# 1 KiB pages (FA 16 / Mamba 64, unit 16): a CPU tier of 80 blocks (79 past the null block).
+PAGE_BYTES = 1024
+SMALL_TIER = 80 * PAGE_BYTES
+REFUSED = (
+    "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.cpu_tier_eviction: 'hybrid' "
+    "needs the fine-grained hybrid SimpleCPU connector"
+)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` token ids of one conversation (different seeds share no block)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+class Tier:
+    """One engine with an 80-block CPU tier; ``request`` runs a prompt to completion and returns its hit."""
+
+    def __init__(self, adapter, policy: str, geometry: HybridGeometry | None = None):
+        self.engine = SimEngine(
+            geometry or HybridGeometry(),
+            adapter=adapter,
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_extra_config={"cpu_bytes_to_use": SMALL_TIER, "cpu_tier_eviction": policy},
+        )
+        self.invariants = OffloadInvariants(self.engine)
+        self._ids = itertools.count()
+
+    def request(self, prompt, max_tokens: int = 1) -> int:
+        req_id = f"r{next(self._ids)}"
+        return self.engine.run([(req_id, prompt)], max_tokens=max_tokens)[req_id]
+
+    def reset_gpu(self) -> None:
+        assert self.engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
+
+
+def _reuse_from_gpu(adapter, policy: str) -> tuple[int, int]:
+    """A conversation reused from the GPU cache while newer work fills the tier.
+
+    A (320 tokens: 20 attention blocks and 2 prompt-tail states, 22 CPU blocks) is stored, X
+    after it; A's next turn reuses A from the GPU cache; Y and Z push 9 blocks out of the tier.
+    With the GPU cache reset, A's third turn hits what the tier kept. Returns
+    (the second turn's hit, the third turn's hit).
+    """
+    tier = Tier(adapter, policy)
+    assert len(tier.engine.offload_manager.cpu_block_pool.blocks) == 80
+    a = tokens(320, seed=0)
+    tier.request(a)
+    tier.request(tokens(320, seed=1))  # X
+    second = tier.request([*a, *CONTINUATION])
+    tier.request(tokens(320, seed=2))  # Y
+    tier.request(tokens(320, seed=3))  # Z
+    tier.reset_gpu()
+    third = tier.request([*a, *CONTINUATION])
+    tier.invariants.check()
+    return second, third
+
+
+def _chunked_prompt(adapter, policy: str) -> int:
+    """Prompts prefilled in chunks of 64 tokens hand off a Mamba state at every chunk end; each
+    one supersedes the previous. A, B, C (336 tokens: 21 attention blocks, states at 64..320)
+    and D (160 tokens) push 11 blocks out of the tier. With the GPU cache reset, A's next turn
+    hits what the tier kept."""
+    tier = Tier(adapter, policy, HybridGeometry(max_num_batched_tokens=64))
+    a = tokens(336, seed=0)
+    tier.request(a)
+    tier.request(tokens(336, seed=1))
+    tier.request(tokens(336, seed=2))
+    tier.request(tokens(160, seed=3))
+    tier.reset_gpu()
+    hit = tier.request([*a, *CONTINUATION])
+    tier.invariants.check()
+    return hit
+
+
+def test_gpu_reuse_keeps_the_cpu_copy(plugin, adapter):
+    """LRU evicts the conversation the GPU cache kept serving; the hybrid order keeps it."""
+    assert _reuse_from_gpu(adapter, "lru") == (320, 0)
+    assert _reuse_from_gpu(adapter, "hybrid") == (320, 320)
+
+
+def test_intermediate_states_are_evicted_first(plugin, adapter):
+    """LRU evicts A's oldest blocks (its hit drops to nothing); the hybrid order gives up the
+    superseded chunk-end states first (A's, B's and C's below 320) and A's next turn hits 320."""
+    assert _chunked_prompt(adapter, "lru") == 0
+    assert _chunked_prompt(adapter, "hybrid") == 320
+
+
+def test_hybrid_tier_with_fine_grained_hits_off(plugin, adapter):
+    """``fine_grained_hits: false`` runs the stock SimpleCPU scheduler up to 0.29 (no Mamba hand-offs
+    consumed, hits on whole Mamba blocks): the option is refused there, naming lru. From 0.30 the
+    wheel's own scheduler is the fine-grained one and the policy attaches."""
+    def build():
+        return SimEngine(
+            HybridGeometry(),
+            adapter=adapter,
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": SMALL_TIER, "cpu_tier_eviction": "hybrid", "fine_grained_hits": False,
+            },
+        )
+
+    if adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support is Support.NATIVE:
+        assert build().connector.cpu_tier_policy is not None
+        return
+    with pytest.raises(PluginConfigError, match=REFUSED + r".*\(allowed here: lru\)"):
+        build()
+
+
+def test_bad_value_names_key_and_values(plugin, adapter):
+    with pytest.raises(PluginConfigError, match=r"cpu_tier_eviction: .*allowed: lru or hybrid"):
+        SimEngine(
+            HybridGeometry(),
+            adapter=adapter,
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_extra_config={"cpu_bytes_to_use": SMALL_TIER, "cpu_tier_eviction": "lfu"},
+        )
+
+
+def test_lru_is_the_wheels_own_pool(plugin, adapter):
+    """The default attaches nothing: the CPU pool's methods are the BlockPool class's own."""
+    tier = Tier(adapter, "lru")
+    connector = tier.engine.connector
+    assert connector.cpu_tier_policy is None
+    pool = tier.engine.offload_manager.cpu_block_pool
+    assert "get_new_blocks" not in vars(pool) and "free_blocks" not in vars(pool)
+    assert connector.offload_mode in (OffloadMode.NATIVE, OffloadMode.BACKPORT)
