@@ -115,15 +115,13 @@ class HybridTierPolicy:
             key = block.block_hash
             if key is not None and key in pending and block.ref_cnt == 0:
                 del pending[key]
-                self.demoted[block.block_id] = (block, key)
-                self.stats["demoted"] += 1
+                self._mark_demoted(block, key)
 
     def touch(self, blocks: Sequence[Any]) -> None:
         # A load pins the blocks it reads: a demoted state that serves a hit is worth keeping.
         if self.demoted:
             for block in blocks:
-                if self.demoted.pop(block.block_id, None) is not None:
-                    self.stats["promoted"] += 1
+                self._promote(block)
         self._touch(blocks)
 
     def _victims(self, need: int) -> list[Any]:
@@ -156,7 +154,6 @@ class HybridTierPolicy:
         gpu_blocks = gpu_pool.blocks
         lookup = self.pool.cached_block_hash_to_block.get_one_block
         queue = self.pool.free_block_queue
-        demoted = self.demoted
         for new in new_reqs:
             if not new.num_computed_tokens:
                 continue
@@ -173,8 +170,7 @@ class HybridTierPolicy:
             for cpu_block in reversed(reused):
                 queue.remove(cpu_block)
                 queue.append(cpu_block)
-                if demoted.pop(cpu_block.block_id, None) is not None:
-                    self.stats["promoted"] += 1
+                self._promote(cpu_block)
             self.stats["refreshed"] += len(reused)
 
     def _classify_handoffs(self, handoffs: dict[str, Any], gpu_pool: Any) -> None:
@@ -213,10 +209,18 @@ class HybridTierPolicy:
         for key in keys:
             block = lookup(key)
             if block is not None and block.ref_cnt == 0:  # already published
-                self.demoted[block.block_id] = (block, key)
-                self.stats["demoted"] += 1
+                self._mark_demoted(block, key)
             else:
                 self._pending[key] = None
+
+    def _mark_demoted(self, block: Any, key: Any) -> None:
+        self.demoted[block.block_id] = (block, key)
+        self.stats["demoted"] += 1
+
+    def _promote(self, block: Any) -> None:
+        """A demoted copy that serves a request returns to plain LRU."""
+        if self.demoted.pop(block.block_id, None) is not None:
+            self.stats["promoted"] += 1
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Requests that left: no later hand-off of theirs will supersede anything."""
@@ -230,11 +234,6 @@ class HybridTierPolicy:
         if boundary >= (request.num_prompt_tokens - 1) // self.unit * self.unit:
             return False
         return boundary != getattr(request, "shared_prefix_boundary", None)
-
-    def reset(self) -> None:
-        self._deepest.clear()
-        self._pending.clear()
-        self.demoted.clear()
 
 
 def _unhashed_at_head(queue: Any, limit: int) -> int:
