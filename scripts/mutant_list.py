@@ -364,6 +364,26 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.33.0",),
     ),
     Mutant(
+        "output-checkpoint-attention-key-ignores-late-boundary",
+        "patches/prompt_tail_attention.py",
+        "                 or late_boundary(request, num_tokens, checkpoint) is not None)\n",
+        "                 or False)\n",
+        # AsyncScheduler, attention block coarser than the unit: the boundary is cached a step
+        # late, the attention block is never keyed at 336 and the next turn stops at 320.
+        ("tests/test_output_checkpoint.py::test_attention_block_coarser_than_the_unit[async]",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "declined-cpu-hit-left-to-the-wheel",
+        "connector/simple_cpu.py",
+        "            self.hybrid_kv_adapter.release_declined_cpu_hit(self.scheduler_manager, request.request_id)\n",
+        "            pass\n",
+        # The wheel then unpins the declined CPU hit itself, with a warning per request
+        # (252 of the first 300 conversation requests under mamba_divergence_checkpoint).
+        ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point[sync-gpu-qwen3-next-1216]",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "cpu-tier-reuse-not-refreshed",
         "offload/eviction.py",
         "            for cpu_block in reversed(reused):\n",

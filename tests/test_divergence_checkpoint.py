@@ -15,6 +15,7 @@ or from the CPU tier after the GPU prefix cache is reset.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -67,7 +68,9 @@ class Siblings:
     """``hits``: each request's hit (tokens it did not compute); ``external``: request 3's CPU-tier part.
     ``junction``: request 2's ``shared_prefix_boundary``; ``chunks``: request 2's prefill chunks.
     ``mamba_states``: Mamba blocks with a prefix-cache key once request 2 finished;
-    ``stored``: Mamba boundary states the connector stored by then."""
+    ``stored``: Mamba boundary states the connector stored by then.
+    ``cpu_pins``: CPU-tier blocks still pinned once request 3 finished.
+    ``unexpected``: vLLM warnings that the lookup recorded a CPU hit the scheduler did not take."""
 
     hits: tuple[int, int, int]
     external: int
@@ -75,9 +78,30 @@ class Siblings:
     chunks: tuple[int, ...]
     mamba_states: int
     stored: int
+    cpu_pins: int
+    unexpected: int
+
+
+class _WarningCounter(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "unexpectedly recorded" in record.getMessage()
 
 
 def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, reset_gpu: bool) -> Siblings:
+    counter = _WarningCounter()
+    logging.getLogger("vllm").addHandler(counter)
+    try:
+        return _siblings(adapter, geometry, shared, config, reset_gpu, counter)
+    finally:
+        logging.getLogger("vllm").removeHandler(counter)
+
+
+def _siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, reset_gpu: bool,
+              counter: _WarningCounter) -> Siblings:
     engine = SimEngine(
         geometry,
         adapter=adapter,
@@ -105,7 +129,9 @@ def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, re
                 if "r1" in step.num_scheduled_tokens
             )[:-1]  # the last entry is the decode step
     hits = tuple(engine.outcomes[f"r{k}"].hit_tokens for k in range(3))
-    return Siblings(hits, engine.outcomes["r2"].external_tokens, requests[1].shared_prefix_boundary, chunks, states, stored)
+    cpu_pins = sum(block.ref_cnt for block in engine.connector.scheduler_manager.cpu_block_pool.blocks)
+    return Siblings(hits, engine.outcomes["r2"].external_tokens, requests[1].shared_prefix_boundary, chunks, states,
+                    stored, cpu_pins, counter.count)
 
 
 # Per case: request 2's junction and request 3's hit, without the option (stock) and with it.
@@ -152,6 +178,9 @@ def test_third_request_resumes_at_the_divergence_point(plugin, adapter, case, ti
     assert (stock.junction, kept.junction) == (stock_junction, junction)
     assert stock.hits == (0, SECOND_HIT[case], stock_hit)
     assert kept.hits == (0, SECOND_HIT[case], hit)
+    # The scheduler declines a CPU hit a kept local sub-block tail already covers (GPU tier
+    # kept): the connector unpins it without vLLM's per-request warning; nothing stays pinned.
+    assert (stock.cpu_pins, kept.cpu_pins, stock.unexpected, kept.unexpected) == (0, 0, 0, 0)
     if tier == "cpu":
         # After the GPU prefix cache reset, all of it comes from the CPU tier.
         assert (stock.external, kept.external) == (stock_hit, hit)

@@ -29,7 +29,8 @@ class TurnMeasurement:
     ``steps``: scheduler steps A needed. ``max_answer_states``: the most Mamba blocks
     keyed inside A's answer (between Mamba block ends) at any step while A ran.
     ``answer_states_left``: those left in the GPU prefix cache once A finished.
-    ``mamba_stored``: Mamba states the connector stored for A."""
+    ``mamba_stored``: Mamba states the connector stored for A. ``forward_steps``: those of
+    A's steps that scheduled tokens (the rest only drain the connector's stores)."""
 
     hit: int
     external: int
@@ -37,6 +38,7 @@ class TurnMeasurement:
     max_answer_states: int
     answer_states_left: int
     mamba_stored: int
+    forward_steps: int
 
 
 def turn_engine(adapter: Any, enabled: bool | None, geometry: HybridGeometry | None = None,
@@ -90,4 +92,5 @@ def two_turns(adapter: Any, enabled: bool | None, prompt: Sequence[int], output:
     external = run.external_tokens("r0")
     if run.invariants is not None:
         run.invariants.check()
-    return TurnMeasurement(hit, external, steps, peak, left, stored)
+    forward = sum(1 for record in engine.steps[:steps] if record.num_scheduled_tokens)
+    return TurnMeasurement(hit, external, steps, peak, left, stored, forward)

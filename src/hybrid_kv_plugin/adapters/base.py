@@ -205,6 +205,21 @@ class VllmAdapter:
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         return any(not block.is_null for manager in managers for block in manager.req_to_blocks.get(request_id, ()))
 
+    def release_declined_cpu_hit(self, scheduler_manager: Any, request_id: str) -> bool:
+        """Unpin the CPU-tier hit the lookup recorded for a request the scheduler granted no external tokens.
+
+        Every wheel's SimpleCPU scheduler pins a lookup's CPU blocks until allocation
+        (``_pending_cpu_hits``) and, handed 0 external tokens, releases them with a
+        warning it calls unexpected. The scheduler declines a CPU hit on purpose when a
+        local sub-block tail reaches as far (0.27+), for ``skip_reading_prefix_cache``
+        and for a bounded replay window. Returns whether a pin was released.
+        """
+        pending = scheduler_manager._pending_cpu_hits.pop(request_id, None)
+        if pending is None:
+            return False
+        scheduler_manager._free_pending_cpu_hit(pending)
+        return True
+
     # ------------------------------------------------------------------ SimpleCPU offload geometry
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         """Physical block size of each KV-cache group, as the coordinator's managers resolved it.

@@ -79,6 +79,14 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             self.cpu_tier_policy.observe_step(scheduler_output, self.scheduler_manager._gpu_block_pool)
         return super().build_connector_meta(scheduler_output)
 
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens == 0 and self.scheduler_manager is not None:
+            # The scheduler kept a local hit at least as long (a sub-block tail: the plugin's
+            # divergence and answer states make these common) and declined the CPU hit the
+            # lookup pinned; the wheel would unpin it with a warning per request.
+            self.hybrid_kv_adapter.release_declined_cpu_hit(self.scheduler_manager, request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while queued or in-flight stores remain (0.30+ does so natively)."""
         if self.offload_mode is OffloadMode.BACKPORT and self.scheduler_manager is not None:

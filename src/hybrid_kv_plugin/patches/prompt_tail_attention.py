@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR as OUTPUT_CHECKPOINT_ATTR
 from hybrid_kv_plugin.output_checkpoint.binding import output_checkpoint_requested
+from hybrid_kv_plugin.output_checkpoint.rolling import late_boundary
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 from hybrid_kv_plugin.prompt_tail.attention import add_partial_keys, key_attention_block
 from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, prompt_tail_bound
@@ -65,10 +66,12 @@ def _wrap(original: Any) -> Any:
         if policy is not None and policy.active:
             add_partial_keys(self, request, num_tokens, policy)
         checkpoint = getattr(self, OUTPUT_CHECKPOINT_ATTR, None)
-        # Only a step that computes up to num_tokens (the Mamba side keeps a state there).
+        # Only a step that computes up to num_tokens (the Mamba side keeps a state there); under
+        # AsyncScheduler that boundary is cached a step late, once num_computed_tokens reached it.
         if (
             checkpoint is not None
-            and request.num_computed_tokens < num_tokens
+            and (request.num_computed_tokens < num_tokens
+                 or late_boundary(request, num_tokens, checkpoint) is not None)
             and checkpoint.keeps(num_tokens, request.num_prompt_tokens)
         ):
             key_attention_block(self, request, num_tokens)
