@@ -17,6 +17,7 @@ from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim import HybridGeometry
 
 from helpers import tokens
+from scenarios.nixl_pair import assert_mamba_cache_mode_refused, mamba_cache_modes
 from scenarios.offload import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 
 FA32 = HybridGeometry(attention_block_size=32)
@@ -95,22 +96,21 @@ def test_dcp_store_cursor_uses_resolved_sizes(plugin, adapter, feature, mamba_ca
     def dcp4(vllm_config):
         vllm_config.parallel_config.decode_context_parallel_size = 4
 
-    try:
-        geometry = HybridGeometry(mamba_cache_mode=mamba_cache_mode)
-        run = offload_engine(adapter, geometry=geometry, configure=dcp4)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        if mamba_cache_mode == "all" and "mamba_cache_mode" in str(exc):
-            pytest.skip(f"vLLM {adapter.version} removed Mamba cache mode 'all' ({exc.__class__.__name__})")
-        raise
+    if mamba_cache_mode not in mamba_cache_modes():  # 'all' from 0.32 on
+        assert_mamba_cache_mode_refused(mamba_cache_mode)
+        return
+    geometry = HybridGeometry(mamba_cache_mode=mamba_cache_mode)
+    run = offload_engine(adapter, geometry=geometry, configure=dcp4)
     engine = run.engine
     if mamba_cache_mode == "all" and adapter.version in KEEPS_EVERY_MAMBA_BLOCK:
-        # The stock scheduler of these wheels cannot run this geometry with any connector: its
+        # These wheels cannot run this geometry with any connector, the plugin's included: the
         # first connector lookup asserts (block_size % hash_block_size) in resolve_block_hashes.
         stock = offload_engine(adapter, STOCK_CONNECTOR_NAME, geometry=geometry, configure=dcp4).engine
-        stock.add_request("a", tokens(336), max_tokens=4)
-        with pytest.raises(AssertionError):
-            stock.step()
-        pytest.skip(f"vLLM {adapter.version}: Mamba 'all' + DCP 4 asserts in the stock scheduler with any connector")
+        for wheel_engine in (stock, engine):
+            wheel_engine.add_request("a", tokens(336), max_tokens=4)
+            with pytest.raises(AssertionError):
+                wheel_engine.step()
+        return
     engine.add_request("a", tokens(336), max_tokens=4)
     for _ in range(3):  # prefill, then two decodes: 336 tokens confirmed at the third store pass
         engine.step()
