@@ -12,26 +12,21 @@ from dataclasses import replace
 import pytest
 
 from hybrid_kv_plugin.adapters import select_adapter
-from hybrid_kv_plugin.cli.main import console_main
 from hybrid_kv_plugin.sim.cluster import ClusterInputError, replay_cluster, route, session_parents
 from hybrid_kv_plugin.sim.configs import CONFIGS
 from hybrid_kv_plugin.sim.mooncake import load_mooncake
 from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 
+from scenarios.mooncake_trace import mooncake_line, run_replay, write_trace
+
 SETTINGS = ReplaySettings(attention_block_size=544, mamba_block_size=544, hash_block_size=16, gpu_blocks=64, cpu_blocks=64)
 PLUGIN = CONFIGS["plugin"]
 
 
-def _line(timestamp, input_length, hash_ids, output_length=4):
-    return json.dumps(
-        {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids}
-    )
-
-
 # A: 1,000 tokens; B (5 s later) shares A's two blocks and goes on; C shares A's first block.
-SHARED_PREFIX = [_line(0, 1000, [1, 2]), _line(5000, 1400, [1, 2, 3]), _line(10000, 1100, [1, 7, 8])]
+SHARED_PREFIX = [mooncake_line(0, 1000, 4, [1, 2]), mooncake_line(5000, 1400, 4, [1, 2, 3]), mooncake_line(10000, 1100, 4, [1, 7, 8])]
 # Another request, then a chat: turn 1, and turn 2 (= turn 1 + its answer + new text).
-CHAT = [_line(0, 1000, [40, 41]), _line(100, 1000, [1, 2]), _line(5000, 1400, [1, 9, 10])]
+CHAT = [mooncake_line(0, 1000, 4, [40, 41]), mooncake_line(100, 1000, 4, [1, 2]), mooncake_line(5000, 1400, 4, [1, 9, 10])]
 
 
 def _segment(lines):
@@ -75,7 +70,7 @@ def test_a_load_waits_for_the_other_engines_store_to_complete():
     # B arrives one step (50 ms) after A. A's stores take 2 steps to complete: B finds nothing
     # published yet and computes its prompt. With stores done in the step they are issued, A's
     # first attention block (stored in that step, engine 0 stepping before engine 1) is there.
-    segment = _segment([_line(0, 1000, [1, 2]), _line(50, 1400, [1, 2, 3])])
+    segment = _segment([mooncake_line(0, 1000, 4, [1, 2]), mooncake_line(50, 1400, 4, [1, 2, 3])])
     slow = replace(SETTINGS, transfer_delay_steps=2)
     late = replay_cluster(segment, slow, PLUGIN, engines=2, tier="shared", assignment=[0, 1], per_request=True)
     assert _hits(late) == {"mc0": (0, 0, 0, 0), "mc1": (1, 0, 0, 0)}
@@ -132,25 +127,13 @@ def test_session_routing_needs_conversations():
 
 
 # ---------------------------------------------------------------------------- the command
-def _trace(tmp_path, lines):
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
-
-
-def _run(capsys, *argv):
-    code = console_main(["replay", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 GEOMETRY_FLAGS = ("--attention-block-size", "544", "--mamba-block-size", "544", "--prefix-match-unit", "16",
                   "--gpu-blocks", "64", "--cpu-blocks", "64")
 
 
 def test_the_command_reports_per_engine_and_cluster_reuse_by_source(tmp_path, capsys):
-    trace = _trace(tmp_path, SHARED_PREFIX)
-    code, out, err = _run(capsys, "--trace", trace, "--engines", "2", "--baseline", "--json", *GEOMETRY_FLAGS)
+    trace = write_trace(tmp_path, SHARED_PREFIX)
+    code, out, err = run_replay(capsys, "--trace", trace, "--engines", "2", "--baseline", "--json", *GEOMETRY_FLAGS)
     assert code == 0, err
     report = json.loads(out)
     rows = {row["run"]: row for row in report["results"]}
@@ -159,7 +142,7 @@ def test_the_command_reports_per_engine_and_cluster_reuse_by_source(tmp_path, ca
     assert [rows[r]["reused_tokens"] for r in rows] == [992, 0, 992]
     assert rows["shared"]["hits_by_source"] == {"own_gpu": 0, "own_cpu": 0, "other_engine_cpu": 992}
     assert (rows["per-engine"]["reuse_over_baseline"], rows["shared"]["reuse_over_baseline"]) == (0.0, 1.0)
-    code, out, _ = _run(capsys, "--trace", trace, "--engines", "2", "--cpu-tier", "shared", *GEOMETRY_FLAGS)
+    code, out, _ = run_replay(capsys, "--trace", trace, "--engines", "2", "--cpu-tier", "shared", *GEOMETRY_FLAGS)
     assert code == 0
     assert "vLLM" in out and "  engine 1" in out
 
@@ -176,16 +159,16 @@ def test_the_command_reports_per_engine_and_cluster_reuse_by_source(tmp_path, ca
     ],
 )
 def test_bad_cluster_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
-    trace = _trace(tmp_path, SHARED_PREFIX)
-    code, out, err = _run(capsys, "--trace", trace, *argv, *GEOMETRY_FLAGS)
+    trace = write_trace(tmp_path, SHARED_PREFIX)
+    code, out, err = run_replay(capsys, "--trace", trace, *argv, *GEOMETRY_FLAGS)
     assert (code, out, err) == (2, "", message + "\n")
 
 
 def test_an_unknown_router_and_a_missing_trace_are_one_line_exit_2(capsys):
-    code, out, err = _run(capsys, "--engines", "2", "--router", "foo")
+    code, out, err = run_replay(capsys, "--engines", "2", "--router", "foo")
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "--router: invalid choice: 'foo'" in err
-    code, out, err = _run(capsys, "--engines", "2")
+    code, out, err = run_replay(capsys, "--engines", "2")
     assert (code, out, err) == (
         2, "", "hybrid-kv: --engines N > 1 replays a Mooncake trace (--trace FILE.jsonl): its timestamps clock the engines\n"
     )

@@ -15,19 +15,15 @@ from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 from hybrid_kv_plugin.sim.mooncake import BlockTokens, TimedSegment, TraceFormatError, load_mooncake
 from hybrid_kv_plugin.sim.workload import ideal_reuse
 
+from scenarios.mooncake_trace import mooncake_line
+
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
 # Computed by hand from the sample's hash ids (the oracle below), per hash unit.
 TOTAL_IDEAL = {16: 29_184, 512: 29_184, 544: 28_832}
 
 
-def _line(timestamp, input_length, output_length, hash_ids, **extra):
-    return json.dumps(
-        {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids, **extra}
-    )
-
-
 def test_shared_ids_give_shared_tokens_and_different_ids_different_tokens():
-    (segment,) = load_mooncake([_line(0, 1536, 2, [0, 1, 2]), _line(10, 1536, 2, [0, 1, 7])])
+    (segment,) = load_mooncake([mooncake_line(0, 1536, 2, [0, 1, 2]), mooncake_line(10, 1536, 2, [0, 1, 7])])
     a, b = (list(r.prompt_token_ids) for r in segment.requests)
     assert len(a) == len(b) == 1536
     assert a[:1024] == b[:1024]
@@ -37,21 +33,21 @@ def test_shared_ids_give_shared_tokens_and_different_ids_different_tokens():
 
 
 def test_same_id_gives_the_same_tokens_in_every_load_and_position():
-    (first,) = load_mooncake([_line(0, 1024, 1, [5, 9])])
-    (second,) = load_mooncake([_line(0, 1024, 1, [9, 5])])
+    (first,) = load_mooncake([mooncake_line(0, 1024, 1, [5, 9])])
+    (second,) = load_mooncake([mooncake_line(0, 1024, 1, [9, 5])])
     tokens1, tokens2 = list(first.requests[0].prompt_token_ids), list(second.requests[0].prompt_token_ids)
     assert tokens1[:512] == tokens2[512:] and tokens1[512:] == tokens2[:512]
 
 
 def test_partial_last_block_is_a_prefix_of_that_id_block():
-    (segment,) = load_mooncake([_line(0, 1024, 1, [3, 4]), _line(5, 700, 1, [3, 4])])
+    (segment,) = load_mooncake([mooncake_line(0, 1024, 1, [3, 4]), mooncake_line(5, 700, 1, [3, 4])])
     full, partial = (list(r.prompt_token_ids) for r in segment.requests)
     assert len(partial) == 700
     assert partial == full[:700]
 
 
 def test_timestamps_give_arrival_steps_and_outputs_their_length():
-    lines = [_line(0, 10, 6, [0]), _line(40, 10, 4, [1]), _line(277, 10, 92, [2]), _line(1000, 10, 1, [3])]
+    lines = [mooncake_line(0, 10, 6, [0]), mooncake_line(40, 10, 4, [1]), mooncake_line(277, 10, 92, [2]), mooncake_line(1000, 10, 1, [3])]
     (segment,) = load_mooncake(lines, step_ms=50)
     assert isinstance(segment, TimedSegment)
     assert [r.wave for r in segment.requests] == [0, 0, 5, 20]
@@ -60,7 +56,7 @@ def test_timestamps_give_arrival_steps_and_outputs_their_length():
 
 
 def test_trace_block_tokens_changes_the_block_size():
-    (segment,) = load_mooncake([_line(0, 40, 1, [0, 1, 2]), _line(1, 32, 1, [0, 1])], block_tokens=16)
+    (segment,) = load_mooncake([mooncake_line(0, 40, 1, [0, 1, 2]), mooncake_line(1, 32, 1, [0, 1])], block_tokens=16)
     a, b = (list(r.prompt_token_ids) for r in segment.requests)
     assert len(a) == 40 and a[:32] == b
 
@@ -106,12 +102,12 @@ def test_ideal_reuse_matches_the_hash_ids(unit):
     [
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "prio": 2}',
          "trace line 1: unknown key(s) 'prio' for a Mooncake line (allowed: hash_ids, input_length, output_length, timestamp)"),
-        (_line(0, -5, 1, [1]), "trace line 1: input_length must be > 0, got -5"),
-        (_line(0, 10, 0, [1]), "trace line 1: output_length must be > 0, got 0"),
-        (_line(-1, 10, 1, [1]), "trace line 1: timestamp must be a number of ms >= 0, got -1"),
-        (_line(0, 1025, 1, [1, 2]),
+        (mooncake_line(0, -5, 1, [1]), "trace line 1: input_length must be > 0, got -5"),
+        (mooncake_line(0, 10, 0, [1]), "trace line 1: output_length must be > 0, got 0"),
+        (mooncake_line(-1, 10, 1, [1]), "trace line 1: timestamp must be a number of ms >= 0, got -1"),
+        (mooncake_line(0, 1025, 1, [1, 2]),
          "trace line 1: input_length 1025 needs 3 hash id(s) of 512 tokens, the line has 2 (see --trace-block-tokens)"),
-        (_line(0, 10, 1, ["a"]), "trace line 1: hash_ids must be a list of integers in [0, 1023872003]"),
+        (mooncake_line(0, 10, 1, ["a"]), "trace line 1: hash_ids must be a list of integers in [0, 1023872003]"),
     ],
 )
 def test_bad_lines_name_the_line(line, message):
@@ -122,7 +118,7 @@ def test_bad_lines_name_the_line(line, message):
 
 def test_a_line_in_the_other_format_is_refused():
     with pytest.raises(TraceFormatError) as err:
-        load_mooncake([_line(0, 10, 1, [1]), '{"tokens": [1, 2, 3]}'])
+        load_mooncake([mooncake_line(0, 10, 1, [1]), '{"tokens": [1, 2, 3]}'])
     assert str(err.value) == (
         "trace line 2: not a Mooncake line (the file mixes formats: its first line is Mooncake)"
     )
@@ -138,35 +134,35 @@ def test_continuation_second_turn_is_first_prompt_then_answer_then_own_tokens():
     """Turn 1: 700 tokens (one full block + 188), answer 5. Turn 2 (760 tokens) extends the full
     block: it is turn 1's prompt, the 5 answer tokens the simulator emitted, then 55 of its own."""
     block = BlockTokens(512)
-    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])])
+    (first, second), stats = _prompts([mooncake_line(0, 700, 5, [1, 2]), mooncake_line(10, 760, 3, [1, 3])])
     assert first == list(block(1)) + list(block(2)[:188])
     assert second == first + [SAMPLED_TOKEN] * 5 + list(block(3)[705 - 512 : 760 - 512])
     assert (stats.model, stats.continued_requests, stats.answer_tokens) == ("continuation", 1, 5)
-    (segment,) = load_mooncake([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])])
+    (segment,) = load_mooncake([mooncake_line(0, 700, 5, [1, 2]), mooncake_line(10, 760, 3, [1, 3])])
     assert ideal_reuse(segment.requests, 16) == {"mc0": 0, "mc1": 704}  # 705 shared, floored to 16
 
 
 def test_blocks_model_gives_the_second_turn_its_own_block():
     block = BlockTokens(512)
-    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3])], model="blocks")
+    (first, second), stats = _prompts([mooncake_line(0, 700, 5, [1, 2]), mooncake_line(10, 760, 3, [1, 3])], model="blocks")
     assert second == list(block(1)) + list(block(3)[:248])
     assert (stats.model, stats.continued_requests, stats.answer_tokens) == ("blocks", 0, 0)
 
 
 def test_answer_left_out_where_the_next_input_cannot_hold_it():
     block = BlockTokens(512)
-    (first, second), stats = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 703, 3, [1, 3])])
+    (first, second), stats = _prompts([mooncake_line(0, 700, 5, [1, 2]), mooncake_line(10, 703, 3, [1, 3])])
     assert second == first + list(block(3)[700 - 512 : 703 - 512])
     assert (stats.continued_requests, stats.answer_tokens) == (1, 0)
 
 
 def test_only_the_latest_deepest_sharer_ending_in_a_partial_block_is_continued():
     lines = [
-        _line(0, 1024, 2, [1, 2]),  # mc0 ends on a full block: nothing continues it
-        _line(1, 1100, 2, [1, 2, 3]),  # mc1: blocks reading
-        _line(2, 700, 2, [5, 6]),  # mc2: one full block + 188
-        _line(3, 1000, 2, [5, 7]),  # mc3 continues mc2 (shares its one full block)
-        _line(4, 1300, 2, [5, 8, 9]),  # mc4: the latest on block [5] is mc3, not mc2: continues mc3
+        mooncake_line(0, 1024, 2, [1, 2]),  # mc0 ends on a full block: nothing continues it
+        mooncake_line(1, 1100, 2, [1, 2, 3]),  # mc1: blocks reading
+        mooncake_line(2, 700, 2, [5, 6]),  # mc2: one full block + 188
+        mooncake_line(3, 1000, 2, [5, 7]),  # mc3 continues mc2 (shares its one full block)
+        mooncake_line(4, 1300, 2, [5, 8, 9]),  # mc4: the latest on block [5] is mc3, not mc2: continues mc3
     ]
     prompts, stats = _prompts(lines)
     block = BlockTokens(512)
@@ -178,7 +174,7 @@ def test_only_the_latest_deepest_sharer_ending_in_a_partial_block_is_continued()
 
 def test_a_continued_block_is_the_block_every_later_request_on_that_path_gets():
     """Equal leading hash ids mean equal leading tokens in both models."""
-    prompts, _ = _prompts([_line(0, 700, 5, [1, 2]), _line(10, 760, 3, [1, 3]), _line(20, 1100, 1, [1, 3, 4])])
+    prompts, _ = _prompts([mooncake_line(0, 700, 5, [1, 2]), mooncake_line(10, 760, 3, [1, 3]), mooncake_line(20, 1100, 1, [1, 3, 4])])
     first, second, third = prompts
     assert third[:760] == second
     assert third[760:1024] == list(BlockTokens(512)(3)[760 - 512 :])  # the rest of id 3's block

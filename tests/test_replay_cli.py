@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-from hybrid_kv_plugin.cli.main import console_main
 from hybrid_kv_plugin.cli.serve_args import check_serve_args
 from hybrid_kv_plugin.sim.geometry import data_dir
 from hybrid_kv_plugin.sim.pool_bound import blocks_a_workload_can_take
@@ -15,37 +14,21 @@ from hybrid_kv_plugin.sim.configs import CONFIGS
 from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.sim.workload import default_workload
 
+from scenarios.mooncake_trace import mooncake_line, run_replay, write_trace
+
 QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
 TINY = data_dir("tiny-qwen3-next")
 
 
-def _line(timestamp, input_length, output_length, hash_ids):
-    return json.dumps(
-        {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids}
-    )
-
-
-def _trace(tmp_path, *lines):
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
-
-
-def _run(capsys, *argv):
-    code = console_main(["replay", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 # ---------------------------------------------------------------------------- refused requests
 def test_an_over_long_prompt_is_refused_and_the_replay_goes_on(tmp_path, capsys):
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]), _line(5, 300_000, 1, list(range(10, 596))), _line(9, 760, 3, [1, 3]))
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock", "--json")
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2]), mooncake_line(5, 300_000, 1, list(range(10, 596))), mooncake_line(9, 760, 3, [1, 3])])
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock", "--json")
     assert code == 0
     report = json.loads(out)
     assert report["refused_requests"] == {"prompt_too_long": 1}
     assert [r["requests"] for r in report["results"]] == [2]
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock")
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock")
     assert code == 0
     assert (
         "refused: 1 request(s) vLLM would answer with an error (max model length 262144), left out: prompt too long: 1\n"
@@ -54,8 +37,8 @@ def test_an_over_long_prompt_is_refused_and_the_replay_goes_on(tmp_path, capsys)
 
 
 def test_strict_stops_at_the_first_refused_request(tmp_path, capsys):
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]), _line(5, 300_000, 1, list(range(10, 596))))
-    code, out, err = _run(capsys, "--trace", trace, "--strict")
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2]), mooncake_line(5, 300_000, 1, list(range(10, 596)))])
+    code, out, err = run_replay(capsys, "--trace", trace, "--strict")
     assert (code, out) == (2, "")
     assert err == (
         "hybrid-kv: request mc1: prompt of 300000 tokens does not fit the model's max model length 262144 "
@@ -64,8 +47,8 @@ def test_strict_stops_at_the_first_refused_request(tmp_path, capsys):
 
 
 def test_prompt_plus_output_past_the_model_length_is_refused(tmp_path, capsys):
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]), _line(5, 262_000, 500, list(range(10, 522))))
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock", "--json")
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2]), mooncake_line(5, 262_000, 500, list(range(10, 522)))])
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock", "--json")
     assert code == 0
     assert json.loads(out)["refused_requests"] == {"prompt_plus_output_too_long": 1}
 
@@ -73,7 +56,7 @@ def test_prompt_plus_output_past_the_model_length_is_refused(tmp_path, capsys):
 # ---------------------------------------------------------------------------- the serve line
 def _serve_line_case(tmp_path, capsys, adapter, config):
     line = [QWEN3_NEXT, "--additional-config", config]
-    code, out, err = _run(capsys, "--trace", _trace(tmp_path, _line(0, 700, 5, [1, 2])), "--", *line)
+    code, out, err = run_replay(capsys, "--trace", write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2])]), "--", *line)
     errors = check_serve_args(line, adapter).errors  # what doctor reports for the same line
     assert (code, out) == (2, "")
     assert err == f"hybrid-kv: invalid vllm serve line: {'; '.join(errors)}\n"
@@ -94,8 +77,8 @@ def test_unknown_hybrid_kv_key_is_refused_as_doctor_refuses_it(tmp_path, capsys,
 
 
 def test_unknown_key_in_a_native_trace_names_its_line(tmp_path, capsys):
-    trace = _trace(tmp_path, '{"tokens": [1, 2, 3]}', '{"tokens": [1, 2, 4], "max_token": 4}')
-    code, out, err = _run(capsys, "--trace", trace)
+    trace = write_trace(tmp_path, ['{"tokens": [1, 2, 3]}', '{"tokens": [1, 2, 4], "max_token": 4}'])
+    code, out, err = run_replay(capsys, "--trace", trace)
     assert (code, out) == (2, "")
     assert err.startswith(f"hybrid-kv: --trace {trace}: trace line 2: unknown key(s) 'max_token' (allowed: ")
     assert err.count("\n") == 1
@@ -103,8 +86,8 @@ def test_unknown_key_in_a_native_trace_names_its_line(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- report figures
 def test_progress_per_configuration_and_start_up_apart(tmp_path, capsys):
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]))
-    code, out, err = _run(capsys, "--trace", trace, "--configs", "stock,plugin")
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2])])
+    code, out, err = run_replay(capsys, "--trace", trace, "--configs", "stock,plugin")
     assert code == 0
     progress = [line for line in err.splitlines() if " requests (" in line]
     assert [line.split(",")[0] for line in progress] == [
@@ -112,28 +95,28 @@ def test_progress_per_configuration_and_start_up_apart(tmp_path, capsys):
         "plugin [2/2]: 1/1 requests (100%)",
     ]
     assert "  (wall s is each configuration's own run; start-up before the first: " in out
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock", "--json")
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock", "--json")
     report = json.loads(out)
     assert report["startup_s"] >= 0 and set(report["results"][0]["timing"]) >= {"wall_s", "peak_rss_mib"}
 
 
 def test_next_step_when_the_unit_equals_the_mamba_block(tmp_path, capsys):
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]))
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock", "--", QWEN3_NEXT)
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2])])
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock", "--", QWEN3_NEXT)
     assert code == 0
     assert (
         "next step: the prefix-match unit equals the Mamba block (544 tokens): every hit is whole Mamba blocks, "
         "where stock vLLM already keeps every state, so the plugin cannot add anything; --prefix-match-unit 16 is "
         "the finest unit vLLM accepts for this geometry: prefix hits every 16 tokens instead of every 544"
     ) in out
-    code, out, _ = _run(capsys, "--trace", trace, "--configs", "stock", "--json", "--", QWEN3_NEXT, "--prefix-match-unit", "16")
+    code, out, _ = run_replay(capsys, "--trace", trace, "--configs", "stock", "--json", "--", QWEN3_NEXT, "--prefix-match-unit", "16")
     assert code == 0 and "next_steps" not in json.loads(out)
 
 
 def test_absurd_block_count_is_capped_with_a_warning(tmp_path, capsys):
     """The shipped tiny model at the default 40 GiB resolves to 10,485,760 GPU blocks of 4 KiB."""
-    trace = _trace(tmp_path, _line(0, 700, 5, [1, 2]), _line(9, 760, 3, [1, 3]))
-    code, out, err = _run(capsys, "--trace", trace, "--configs", "stock", "--json", "--model", TINY)
+    trace = write_trace(tmp_path, [mooncake_line(0, 700, 5, [1, 2]), mooncake_line(9, 760, 3, [1, 3])])
+    code, out, err = run_replay(capsys, "--trace", trace, "--configs", "stock", "--json", "--model", TINY)
     assert code == 0
     report = json.loads(out)
     assert report["model_geometry"]["gpu_blocks"] == 10_485_760

@@ -25,16 +25,12 @@ from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
 from hybrid_kv_plugin.adapters.detect import installed_vllm
 from hybrid_kv_plugin.registration import current_adapter
 
+from scenarios.mooncake_trace import mooncake_line
+
 QWEN3_NEXT = data_dir("qwen3-next-80b-a3b-instruct")
 NEMOTRON_H = data_dir("nemotron-nano-9b-v2")
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
 SRC = Path(__file__).resolve().parent.parent / "src"
-
-
-def _line(timestamp, input_length, output_length, hash_ids):
-    return json.dumps(
-        {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": hash_ids}
-    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +66,7 @@ STOCK_SERVES_WHOLE_BLOCKS = installed_vllm().raw == "0.26.0"
 def test_long_prompt_replays_on_the_qwen3_next_geometry(qwen_settings, blocks, shared, config):
     first = list(range(blocks))
     second = first[:shared] + list(range(10_000, 10_000 + blocks - shared))
-    (segment,) = load_mooncake([_line(0, blocks * 512, 3, first), _line(5000, blocks * 512, 3, second)])
+    (segment,) = load_mooncake([mooncake_line(0, blocks * 512, 3, first), mooncake_line(5000, blocks * 512, 3, second)])
     result = replay([segment], qwen_settings, CONFIGS[config])
     assert result.refused is None
     prompt = blocks * 512
@@ -117,18 +113,18 @@ BAD_INPUTS = [
                                              '"hash_ids": [1], "priority": 1}')],
      "trace line 1: unknown key(s) 'priority' for a Mooncake line (allowed: hash_ids, input_length, "
      "output_length, timestamp)"),
-    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, 1, [1]), _line(1, 0, 1, []))],
+    (lambda p: ["replay", "--trace", _write(p, mooncake_line(0, 5, 1, [1]), mooncake_line(1, 0, 1, []))],
      "trace line 2: input_length must be > 0, got 0"),
-    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, -3, [1]))],
+    (lambda p: ["replay", "--trace", _write(p, mooncake_line(0, 5, -3, [1]))],
      "trace line 1: output_length must be > 0, got -3"),
-    (lambda p: ["replay", "--trace", _write(p, _line(0, 5, 1, [1]), '{"tokens": [1, 2, 3]}')],
+    (lambda p: ["replay", "--trace", _write(p, mooncake_line(0, 5, 1, [1]), '{"tokens": [1, 2, 3]}')],
      "trace line 2: not a Mooncake line (the file mixes formats: its first line is Mooncake)"),
-    (lambda p: ["replay", "--trace", _write(p, '{"tokens": [1, 2, 3]}', _line(0, 5, 1, [1]))],
+    (lambda p: ["replay", "--trace", _write(p, '{"tokens": [1, 2, 3]}', mooncake_line(0, 5, 1, [1]))],
      "trace line 2: a Mooncake line in a trace in the project's format (the file mixes formats)"),
     (lambda p: ["replay", "--trace", _write(p, "{not json")], "trace line 1: not JSON"),
-    (lambda p: ["replay", "--trace", _write(p, _line(0, 300_000, 1, list(range(586))))],
+    (lambda p: ["replay", "--trace", _write(p, mooncake_line(0, 300_000, 1, list(range(586))))],
      "every request is refused by vLLM (prompt_too_long: 1): nothing to replay"),
-    (lambda p: ["replay", "--strict", "--trace", _write(p, _line(0, 300_000, 1, list(range(586))))],
+    (lambda p: ["replay", "--strict", "--trace", _write(p, mooncake_line(0, 300_000, 1, list(range(586))))],
      "request mc0: prompt of 300000 tokens does not fit the model's max model length 262144"),
     (lambda p: ["replay", "--trace", _write(p, '{"tokens": [1, 2]}', '{"tokens": [1], "max_token": 3}')],
      "trace line 2: unknown key(s) 'max_token' (allowed: "),
@@ -170,7 +166,7 @@ def test_bad_input_is_one_line_and_exit_2_without_vllm(tmp_path, argv, message):
     ],
 )
 def test_bad_model_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
-    trace = _write(tmp_path, _line(0, 140_000, 1, list(range(274))))
+    trace = _write(tmp_path, mooncake_line(0, 140_000, 1, list(range(274))))
     assert console_main(["replay", "--trace", trace, *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""

@@ -205,6 +205,12 @@ class VllmAdapter:
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         return any(not block.is_null for manager in managers for block in manager.req_to_blocks.get(request_id, ()))
 
+    def offload_gpu_block_pool(self, scheduler_manager: Any) -> Any:
+        """The GPU ``BlockPool`` the SimpleCPU scheduler side stores from (set at its first step).
+
+        Every wheel's scheduler side (and the 0.29 backport) keeps it as ``_gpu_block_pool``."""
+        return scheduler_manager._gpu_block_pool
+
     def release_declined_cpu_hit(self, scheduler_manager: Any, request_id: str) -> bool:
         """Unpin the CPU-tier hit the lookup recorded for a request the scheduler granted no external tokens.
 

@@ -76,7 +76,8 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
     # ------------------------------------------------------------------ scheduler side
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.cpu_tier_policy is not None:
-            self.cpu_tier_policy.observe_step(scheduler_output, self.scheduler_manager._gpu_block_pool)
+            gpu_pool = self.hybrid_kv_adapter.offload_gpu_block_pool(self.scheduler_manager)
+            self.cpu_tier_policy.observe_step(scheduler_output, gpu_pool)
         return super().build_connector_meta(scheduler_output)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
