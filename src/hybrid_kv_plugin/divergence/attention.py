@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# On the request: the position up to which its attention blocks are unit-keyed.
+# On the request: the position up to which its attention blocks are unit-keyed. Read and
+# written with getattr/setattr, never through ``request.__dict__``: on CPython 3.11 that
+# moves the request's attributes off inline storage, and every read vLLM makes of it
+# afterwards takes ~1.9x as long (measured on 0.33's Request).
 REQUEST_ATTR = "hybrid_kv_unit_keyed"
 
 
@@ -27,7 +30,9 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
     """Key the attention block holding each unit boundary in (already keyed, ``num_tokens``] of the prompt."""
     unit = manager.block_pool.hash_block_size
     limit = min(num_tokens, request.num_prompt_tokens, len(request.block_hashes) * unit)
-    done = request.__dict__.get(REQUEST_ATTR, request.num_computed_tokens)
+    done = getattr(request, REQUEST_ATTR, None)
+    if done is None:
+        done = request.num_computed_tokens
     if limit <= done:
         return
     blocks = manager.req_to_blocks[request.request_id]
@@ -39,4 +44,4 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
         pool.cache_partial_block(
             request=request, block=blocks[index], num_tokens=position, kv_cache_group_id=group, block_size=size
         )
-    request.__dict__[REQUEST_ATTR] = limit
+    setattr(request, REQUEST_ATTR, limit)

@@ -19,7 +19,7 @@ from hybrid_kv_plugin.output_checkpoint.rolling import REQUEST_ATTR
 
 def last_answer_position(request: Any) -> int | None:
     """The newest answer position whose Mamba state the option kept for ``request``, if any."""
-    groups = request.__dict__.get(REQUEST_ATTR) or {}
+    groups = getattr(request, REQUEST_ATTR, None) or {}
     return max((state.position for states in groups.values() for state in states), default=None)
 
 

@@ -48,7 +48,11 @@ class KeptState:
 
 
 def kept_states(request: Any, group_id: int) -> list[KeptState]:
-    return request.__dict__.setdefault(REQUEST_ATTR, {}).setdefault(group_id, [])
+    groups = getattr(request, REQUEST_ATTR, None)
+    if groups is None:  # setattr, not request.__dict__: see divergence.attention.REQUEST_ATTR
+        groups = {}
+        setattr(request, REQUEST_ATTR, groups)
+    return groups.setdefault(group_id, [])
 
 
 def note_copies(manager: Any, request: Any) -> None:
@@ -57,7 +61,7 @@ def note_copies(manager: Any, request: Any) -> None:
     The copy is queued by the allocation that precedes the same step's caching, and
     drained when that step's schedule ends, so each step looks once.
     """
-    states = request.__dict__.get(REQUEST_ATTR, {}).get(manager.kv_cache_group_id)
+    states = getattr(request, REQUEST_ATTR, {}).get(manager.kv_cache_group_id)
     for state in states or ():
         if state.copy is None:
             for source, copy in manager._pending_cow_copies:
