@@ -6,6 +6,7 @@ One pytest process per wheel (``scripts/test``): vLLM's imports and the first
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
@@ -39,6 +40,10 @@ from hybrid_kv_plugin.sim.engine import default_scheduling  # noqa: E402
 def leftover_temp_entries() -> list[str]:
     """The plugin's own temp entries (``hybrid-kv-*``) the session made and did not remove."""
     return sorted(e for e in os.listdir(SESSION_TMP) if e.startswith("hybrid-kv-") and e not in _EXPECTED_TMP)
+
+
+# pytest can stop before any session (a usage error): the private root still goes at exit.
+atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
