@@ -37,6 +37,8 @@ from hybrid_kv_plugin.adapters import select_adapter  # noqa: E402
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine  # noqa: E402
 from hybrid_kv_plugin.sim.engine import default_scheduling  # noqa: E402
 
+from helpers import recording  # noqa: E402
+
 def leftover_temp_entries() -> list[str]:
     """The plugin's own temp entries (``hybrid-kv-*``) the session made and did not remove."""
     return sorted(e for e in os.listdir(SESSION_TMP) if e.startswith("hybrid-kv-") and e not in _EXPECTED_TMP)
@@ -114,26 +116,8 @@ def make_engine(adapter):
     return factory
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, level: int = logging.DEBUG) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno >= level]
-
-
 @pytest.fixture
 def plugin_log():
     """Every record of the plugin's own logger (a child of vLLM's), whatever vLLM's propagation."""
-    logger = logging.getLogger("vllm.hybrid_kv_plugin")
-    handler = _Records()
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(old_level)
+    with recording("vllm.hybrid_kv_plugin", logging.DEBUG) as handler:
+        yield handler

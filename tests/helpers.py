@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
+from collections.abc import Iterator
 
 from hybrid_kv_plugin.adapters import Support
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
@@ -98,3 +101,33 @@ STEPS = {
     "0.32.0": (36, 36, 35),
     "0.33.0": (36, 36, 35),
 }
+
+
+class LogRecords(logging.Handler):
+    """Every record a logger (and its children) hands this handler."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int = logging.DEBUG) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+@contextlib.contextmanager
+def recording(logger_name: str, level: int | None = None) -> Iterator[LogRecords]:
+    """Records of ``logger_name`` while inside, whatever vLLM's propagation; ``level``: the
+    logger's level meanwhile (None: unchanged)."""
+    logger, handler = logging.getLogger(logger_name), LogRecords()
+    old_level = logger.level
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

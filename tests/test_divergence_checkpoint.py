@@ -28,7 +28,7 @@ from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 from hybrid_kv_plugin.sim.wheel import junction_active
 
-from helpers import tokens
+from helpers import LogRecords, recording, tokens
 from scenarios.prompt_tail import mamba_states_held
 
 ON = {"hybrid_kv": {"mamba_divergence_checkpoint": True}}
@@ -82,26 +82,13 @@ class Siblings:
     unexpected: int
 
 
-class _WarningCounter(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += "unexpectedly recorded" in record.getMessage()
-
-
 def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, reset_gpu: bool) -> Siblings:
-    counter = _WarningCounter()
-    logging.getLogger("vllm").addHandler(counter)
-    try:
-        return _siblings(adapter, geometry, shared, config, reset_gpu, counter)
-    finally:
-        logging.getLogger("vllm").removeHandler(counter)
+    with recording("vllm") as vllm_log:
+        return _siblings(adapter, geometry, shared, config, reset_gpu, vllm_log)
 
 
 def _siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, reset_gpu: bool,
-              counter: _WarningCounter) -> Siblings:
+              vllm_log: LogRecords) -> Siblings:
     engine = SimEngine(
         geometry,
         adapter=adapter,
@@ -130,8 +117,9 @@ def _siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, rese
             )[:-1]  # the last entry is the decode step
     hits = tuple(engine.outcomes[f"r{k}"].hit_tokens for k in range(3))
     cpu_pins = sum(block.ref_cnt for block in engine.connector.scheduler_manager.cpu_block_pool.blocks)
+    unexpected = sum("unexpectedly recorded" in message for message in vllm_log.messages(logging.WARNING))
     return Siblings(hits, engine.outcomes["r2"].external_tokens, requests[1].shared_prefix_boundary, chunks, states,
-                    stored, cpu_pins, counter.count)
+                    stored, cpu_pins, unexpected)
 
 
 # Per case: request 2's junction and request 3's hit, without the option (stock) and with it.

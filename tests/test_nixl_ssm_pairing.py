@@ -18,13 +18,7 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.nixl import ExchangeClip, GroupRule, SsmSlotPairingError, pair_ssm_slots
 from hybrid_kv_plugin.patches import patch_specs
 
-from scenarios.nixl_pair import (
-    NixlPair,
-    assert_mamba_cache_mode_refused,
-    decode_worker,
-    mamba_cache_modes,
-    worker_pairs,
-)
+from scenarios.nixl_pair import NixlPair, decode_worker, has_mamba_cache_mode, worker_pairs
 
 N = None  # the pool's null block in a decode-side table
 
@@ -64,15 +58,6 @@ CASES = {
 UNPAIRABLE = r"Group 2: unpairable SSM state slots, (local|decode)=3 (remote|prefill)=1"
 
 
-def _has_mode(mode: str) -> bool:
-    """False (after asserting vLLM's refusal) where the wheel has no such mode: 0.32+ have no 'all',
-    so nothing positional to pair."""
-    if mode in mamba_cache_modes():
-        return True
-    assert_mamba_cache_mode_refused(mode)
-    return False
-
-
 def _support(adapter) -> Support:
     return adapter.verdict(Feature.NIXL_SSM_SLOT_PAIRING).support
 
@@ -84,7 +69,7 @@ def _support(adapter) -> Support:
 @pytest.mark.parametrize("case", list(CASES))
 def test_exchange_lists_and_pairing(plugin, adapter, kind, case):
     (mode, scratch), p_mamba, d_mamba, p_sent, d_recv, paired = CASES[case]
-    if not _has_mode(mode):
+    if not has_mamba_cache_mode(mode):  # 0.32+ have no 'all': nothing positional to pair
         return
     pair = NixlPair(adapter, kind, mode, scratch)
 
@@ -105,7 +90,7 @@ def test_host_buffer_save_path_keeps_mamba_ids_whole(plugin, adapter, kind):
 
 
 def test_worker_pairs_positional_slots_or_refuses(plugin, adapter):
-    if not _has_mode("all"):
+    if not has_mamba_cache_mode("all"):
         return
     pair = NixlPair(adapter, "pull", "all", 2)
     worker = decode_worker(adapter, pair)
