@@ -393,4 +393,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_cpu_tier_eviction.py::test_gpu_reuse_keeps_the_cpu_copy",),
         ("0.29.0", "0.33.0"),
     ),
+    Mutant(
+        "cpu-tier-answer-states-never-demoted",
+        "offload/eviction.py",
+        "        if (prompt - 1) // self.unit * self.unit <= boundary <= prompt:\n",
+        "        if (prompt - 1) // self.unit * self.unit <= boundary:\n",
+        # Answer states a later one of the same answer supersedes stay in plain LRU: the tier
+        # spends a block on each unit of every answer and evicts the conversation's head instead.
+        ("tests/test_cpu_tier_eviction.py::test_superseded_answer_states_are_evicted_first",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "divergence-cpu-tier-reach-ignored",
+        "divergence/cpu_tier.py",
+        "        if point > request.shared_prefix_boundary and point < request.num_prompt_tokens:\n",
+        "        if False:\n",
+        # A request whose attention hit is on the CPU tier only keeps no state where it ends.
+        ("tests/test_divergence_checkpoint.py::test_cpu_tier_only_hit_sets_the_divergence_point",),
+        ("0.29.0", "0.33.0"),
+    ),
 )

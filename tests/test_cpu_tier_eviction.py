@@ -19,6 +19,7 @@ from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.offload.mode import OffloadMode
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 
 from scenarios.offload import CONTINUATION
@@ -41,12 +42,14 @@ def tokens(n: int, seed: int) -> list[int]:
 class Tier:
     """One engine with an 80-block CPU tier; ``request`` runs a prompt to completion and returns its hit."""
 
-    def __init__(self, adapter, policy: str, geometry: HybridGeometry | None = None):
+    def __init__(self, adapter, policy: str, geometry: HybridGeometry | None = None,
+                 additional_config: dict | None = None):
         self.engine = SimEngine(
             geometry or HybridGeometry(),
             adapter=adapter,
             kv_connector=CONNECTOR_NAME,
             kv_connector_extra_config={"cpu_bytes_to_use": SMALL_TIER, "cpu_tier_eviction": policy},
+            additional_config=additional_config,
         )
         self.invariants = OffloadInvariants(self.engine)
         self._ids = itertools.count()
@@ -98,6 +101,25 @@ def _chunked_prompt(adapter, policy: str) -> int:
     return hit
 
 
+ANSWER = 120
+
+
+def _answer_states(adapter, policy: str) -> int:
+    """``mamba_output_checkpoint`` keeps a state at every unit of an answer (A: prompt 320, 120
+    tokens decoded: states at 336..432, each superseding the one before). X, Y (320) and Z (64)
+    push 6 blocks out of the tier. With the GPU cache reset, A's next turn (prompt + answer +
+    new text) hits what the tier kept."""
+    tier = Tier(adapter, policy, additional_config={"hybrid_kv": {"mamba_output_checkpoint": True}})
+    a = tokens(320, seed=0)
+    tier.request(a, max_tokens=ANSWER)
+    for seed, length in enumerate((320, 320, 64), start=10):
+        tier.request(tokens(length, seed=seed))
+    tier.reset_gpu()
+    hit = tier.request([*a, *([SAMPLED_TOKEN] * ANSWER), *CONTINUATION])
+    tier.invariants.check()
+    return hit
+
+
 def test_gpu_reuse_keeps_the_cpu_copy(plugin, adapter):
     """LRU evicts the conversation the GPU cache kept serving; the hybrid order keeps it."""
     assert _reuse_from_gpu(adapter, "lru") == (320, 0)
@@ -109,6 +131,18 @@ def test_intermediate_states_are_evicted_first(plugin, adapter):
     superseded chunk-end states first (A's, B's and C's below 320) and A's next turn hits 320."""
     assert _chunked_prompt(adapter, "lru") == 0
     assert _chunked_prompt(adapter, "hybrid") == 320
+
+
+def test_superseded_answer_states_are_evicted_first(plugin, adapter):
+    """LRU evicts A's oldest blocks; the hybrid order gives up the 6 answer states a later one of
+    the same answer superseded, and A's next turn hits through the answer (432: the last unit
+    boundary of the 439 computed tokens). 0.26-0.28 refuse the answer option at start-up."""
+    if not adapter.output_checkpoint_supported:
+        with pytest.raises(PluginConfigError, match=r"mamba_output_checkpoint: true needs vLLM >= 0\.29\.0"):
+            _answer_states(adapter, "hybrid")
+        return
+    assert _answer_states(adapter, "lru") == 0
+    assert _answer_states(adapter, "hybrid") == 432
 
 
 def test_hybrid_tier_with_fine_grained_hits_off(plugin, adapter):

@@ -10,7 +10,9 @@ the prompt tail), and with attention blocks as coarse as the Mamba block the loo
 does not even see a divergence inside a block; with it, attention blocks are keyed at
 every prefix-match unit, request 2's prefill ends a chunk at the junction and keeps
 the state, so request 3 resumes at the divergence point - from the GPU prefix cache,
-or from the CPU tier after the GPU prefix cache is reset.
+or from the CPU tier after the GPU prefix cache is reset. When request 2's attention hit
+is on the CPU tier only (GPU cache reset before it too), the connector sets the point from
+the tier's lookup.
 """
 
 from __future__ import annotations
@@ -82,13 +84,16 @@ class Siblings:
     unexpected: int
 
 
-def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, reset_gpu: bool) -> Siblings:
+def siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, *, reset_gpu: bool,
+             reset_before_second: bool = False) -> Siblings:
+    """``reset_gpu``: the GPU prefix cache is reset before request 3; ``reset_before_second``:
+    before request 2 too (its attention hit is then on the CPU tier only)."""
     with recording("vllm") as vllm_log:
-        return _siblings(adapter, geometry, shared, config, reset_gpu, vllm_log)
+        return _siblings(adapter, geometry, shared, config, reset_gpu, reset_before_second, vllm_log)
 
 
 def _siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, reset_gpu: bool,
-              vllm_log: LogRecords) -> Siblings:
+              reset_before_second: bool, vllm_log: LogRecords) -> Siblings:
     engine = SimEngine(
         geometry,
         adapter=adapter,
@@ -100,6 +105,8 @@ def _siblings(adapter, geometry: HybridGeometry, shared: int, config: dict, rese
     prefix = tokens(shared)
     requests, chunks, states, stored = [], (), 0, 0
     for k in range(3):
+        if k == 1 and reset_before_second:
+            assert engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
         if k == 2:
             states = mamba_states_held(engine)
             stored = engine.connector.get_boundary_store_stats().stored
@@ -172,6 +179,40 @@ def test_third_request_resumes_at_the_divergence_point(plugin, adapter, case, ti
     if tier == "cpu":
         # After the GPU prefix cache reset, all of it comes from the CPU tier.
         assert (stock.external, kept.external) == (stock_hit, hit)
+
+
+# The GPU prefix cache reset before request 2 as well: its attention hit is on the CPU tier
+# only. The wheel sets the divergence point from the GPU lookup alone (junction 0); the
+# connector moves it to the tier's attention reach (divergence/cpu_tier.py), so request 2
+# keeps the state there and request 3 resumes at the divergence point from the CPU tier.
+# Request 2 itself resumes where it would anyway (0, or the tier's Mamba state at 1,088).
+CPU_ONLY_STOCK = {"qwen3-next-1216": 1088, "qwen3-next-1000": 0, "fa32-mamba544": 0, "fa32-mamba64": 0}
+# States stored by the end of request 2 (without, with the option): the one at the point, plus
+# the Mamba block end request 2's chunk at the point starts a new block at (fa32-mamba64), and
+# 0.29's backport keeping the wheel's own stop at 544 as well (qwen3-next-1000, 0.30+: 3).
+CPU_ONLY_STORED = {"qwen3-next-1216": (3, 4), "qwen3-next-1000": (2, 4), "fa32-mamba544": (2, 3), "fa32-mamba64": (2, 4)}
+CPU_ONLY_NATIVE_STORED = {"qwen3-next-1000": (2, 3)}
+
+
+@pytest.mark.both_schedulers
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_tier_only_hit_sets_the_divergence_point(plugin, adapter, case):
+    geometry, shared = CASES[case]
+    build = lambda config: siblings(adapter, geometry, shared, config, reset_gpu=True, reset_before_second=True)  # noqa: E731
+    if _refused_here(adapter, lambda: build(ON)):
+        return
+    stock, kept = build(OFF), build(ON)
+    point = shared // 16 * 16
+    assert (stock.junction, kept.junction) == (0, point)
+    second = SECOND_HIT[case]
+    assert stock.hits == (0, second, CPU_ONLY_STOCK[case])
+    assert kept.hits == (0, second, point)
+    assert (stock.external, kept.external) == (CPU_ONLY_STOCK[case], point)
+    assert (stock.cpu_pins, kept.cpu_pins, stock.unexpected, kept.unexpected) == (0, 0, 0, 0)
+    stored = CPU_ONLY_STORED[case]
+    if adapter.native_junction_manager_attr is not None:
+        stored = CPU_ONLY_NATIVE_STORED.get(case, stored)
+    assert (stock.stored, kept.stored) == stored
 
 
 @pytest.mark.both_schedulers

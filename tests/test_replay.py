@@ -241,7 +241,8 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "hybrid-kv: --configs 'stock,fast': allowed: stock, stock+retain-0, stock+retain-unit, stock+retain-4units, "
         "stock+retain-block, stock+retain-2blocks, stock+retain-4blocks, stock+shared-prefix, plugin, plugin+junction, "
-        "plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+divergence, plugin+divergence+hybrid-tier\n"
+        "plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+hybrid-tier, plugin+divergence, plugin+divergence+hybrid-tier, "
+        "plugin+divergence+output-checkpoint+hybrid-tier\n"
     )
 
 

@@ -12,7 +12,8 @@ CONFIG_NAMES = (
     "stock", "stock+retain-0", "stock+retain-unit", "stock+retain-4units", "stock+retain-block",
     "stock+retain-2blocks", "stock+retain-4blocks", "stock+shared-prefix",
     "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both", "plugin+output-checkpoint",
-    "plugin+divergence", "plugin+divergence+hybrid-tier",
+    "plugin+hybrid-tier", "plugin+divergence", "plugin+divergence+hybrid-tier",
+    "plugin+divergence+output-checkpoint+hybrid-tier",
 )
 # Stock at its best, in every default run: its retention knob at 0, the unit and the Mamba
 # block, and its native shared-prefix checkpoint (a row vLLM refuses costs no run).

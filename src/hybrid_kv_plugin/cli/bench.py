@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         default="stock,plugin",
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)} (as in replay); the first is the baseline "
-        "of the ratios (default: stock,plugin)",
+        "of the ratios",
     )
     parser.add_argument(
         "--in-process",

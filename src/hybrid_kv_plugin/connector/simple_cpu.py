@@ -54,6 +54,15 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             self._backport_scheduler = self.scheduler_manager
         # The CPU tier's eviction order (offload/eviction.py); None: the wheel's LRU.
         self.cpu_tier_policy = attach_cpu_tier_policy(self)
+        # Set by the divergence option's binding (divergence/cpu_tier.py); None: not tracked.
+        self.cpu_tier_reach: Any = None
+
+    def track_cpu_tier_divergence(self) -> None:
+        """Let CPU-tier lookups set a request's divergence point (``mamba_divergence_checkpoint``)."""
+        if self.cpu_tier_reach is None and self.offload_mode is not OffloadMode.STOCK:
+            from hybrid_kv_plugin.divergence.cpu_tier import attach_cpu_tier_reach
+
+            self.cpu_tier_reach = attach_cpu_tier_reach(self)
 
     # ------------------------------------------------------------------ worker side
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -74,6 +83,15 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         super().clear_connector_metadata()
 
     # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        reach = self.cpu_tier_reach
+        if reach is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        reach.begin()
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        reach.apply(request, num_computed_tokens)
+        return result
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.cpu_tier_policy is not None:
             gpu_pool = self.hybrid_kv_adapter.offload_gpu_block_pool(self.scheduler_manager)

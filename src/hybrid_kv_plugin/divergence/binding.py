@@ -32,7 +32,8 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> JunctionPlan | None:
     0.29: the junction backport's plan, bound by :func:`hybrid_kv_plugin.junction.plan_of`;
     0.30+: the wheel's own gate (:func:`~hybrid_kv_plugin.divergence.native.open_native_gate`).
     Where it opens, the full-attention managers that can be keyed inside a block are
-    bound to unit keys (:mod:`.attention`).
+    bound to unit keys (:mod:`.attention`), and ``HybridSimpleCPUConnector`` moves a
+    request's divergence point to its CPU tier's attention reach (:mod:`.cpu_tier`).
     """
     if not divergence_requested(scheduler):
         return None
@@ -48,4 +49,8 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> JunctionPlan | None:
         for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
             if keyable_inside_blocks(manager):
                 setattr(manager, MANAGER_ATTR, True)
+        # The plugin's CPU-tier connector also sets points from its lookups (cpu_tier.py).
+        track = getattr(getattr(scheduler, "connector", None), "track_cpu_tier_divergence", None)
+        if track is not None:
+            track()
     return plan

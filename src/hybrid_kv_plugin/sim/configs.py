@@ -137,8 +137,13 @@ CONFIGS = {
     "plugin+tail-replay": ReplayConfig("plugin+tail-replay", plugin=True, prompt_tail_checkpoint="replay"),
     "plugin+tail-both": ReplayConfig("plugin+tail-both", plugin=True, prompt_tail_checkpoint="both"),
     "plugin+output-checkpoint": ReplayConfig("plugin+output-checkpoint", plugin=True, mamba_output_checkpoint=True),
+    "plugin+hybrid-tier": ReplayConfig("plugin+hybrid-tier", plugin=True, cpu_tier_eviction="hybrid"),
     "plugin+divergence": ReplayConfig("plugin+divergence", plugin=True, mamba_divergence_checkpoint=True),
     "plugin+divergence+hybrid-tier": ReplayConfig(
         "plugin+divergence+hybrid-tier", plugin=True, mamba_divergence_checkpoint=True, cpu_tier_eviction="hybrid"
+    ),
+    "plugin+divergence+output-checkpoint+hybrid-tier": ReplayConfig(
+        "plugin+divergence+output-checkpoint+hybrid-tier", plugin=True, mamba_divergence_checkpoint=True,
+        mamba_output_checkpoint=True, cpu_tier_eviction="hybrid",
     ),
 }
