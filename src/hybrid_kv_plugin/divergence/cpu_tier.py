@@ -8,8 +8,9 @@ where its attention hit ended: the next request sharing the prefix recomputes th
 tokens again.
 
 The CPU tier's own coordinator already computes that reach (the third value of
-``find_longest_cache_hit``: attention tokens cached past the reconciled hit) and the
-wheel's SimpleCPU scheduler drops it. :class:`CpuTierReach` records it for the lookup the
+``find_longest_cache_hit``: attention tokens cached past the reconciled hit, which the
+wheel's KVCacheManager turns into the point for the GPU lookup) and the wheel's SimpleCPU
+scheduler drops it. :class:`CpuTierReach` records it for the lookup the
 connector is answering and moves the request's divergence point there when it lies
 deeper than the one the GPU lookup set. The scheduler computes the request's first chunk
 after the connector answered, so the chunk ends there and the Mamba manager keeps the
@@ -24,9 +25,8 @@ nothing of vLLM's classes changes.
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
+from typing import Any
 
 from hybrid_kv_plugin._log import log_once
 
@@ -38,7 +38,6 @@ class CpuTierReach:
         self._find = coordinator.find_longest_cache_hit
         coordinator.find_longest_cache_hit = self._find_longest_cache_hit
         self._last: tuple[int, int] | None = None  # (combined hit, attention tokens past it)
-        self.moved = 0  # requests whose divergence point the tier moved deeper
 
     def _find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
         result = self._find(block_hashes, max_cache_hit_length)
@@ -60,7 +59,6 @@ class CpuTierReach:
         point = num_computed_tokens + hit + reach
         if point > request.shared_prefix_boundary and point < request.num_prompt_tokens:
             request.shared_prefix_boundary = point
-            self.moved += 1
 
 
 def attach_cpu_tier_reach(connector: Any) -> CpuTierReach | None:
