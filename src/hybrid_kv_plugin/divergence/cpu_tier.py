@@ -45,7 +45,9 @@ class CpuTierReach:
         return result
 
     def begin(self) -> None:
-        """Before the lookup: a lookup the wheel skips (misaligned local prefix) records nothing."""
+        """Before the lookup: forget any earlier call of the coordinator (the Mooncake connector's
+        store survey runs the same lookup), so a lookup the wheel skips (misaligned local prefix)
+        records nothing."""
         self._last = None
 
     def apply(self, request: Any, num_computed_tokens: int) -> None:
