@@ -7,8 +7,10 @@ no traceback, nothing on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -191,4 +193,88 @@ def test_replay_leaves_no_temp_dir_and_only_the_report_on_stdout(tmp_path):
     report = json.loads(done.stdout)  # stdout is the report and nothing else
     assert report["model_geometry"]["attention_block_size"] == 544
     assert [r["requests"] for r in report["results"]] == [3]
+    assert list(tmp.iterdir()) == []
+
+
+def _replay_process(tmp: Path, *argv: str) -> tuple[list[str], dict[str, str]]:
+    """``hybrid-kv replay ARGV`` as a process of its own, with ``tmp`` as its TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
+    env.update(TMPDIR=str(tmp), PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return [sys.executable, "-m", "hybrid_kv_plugin.cli.main", "replay", *argv], env
+
+
+def _processes_under(tmp: Path) -> list[int]:
+    """Processes whose TMPDIR is ``tmp`` or lies inside it: a replay run there and its children."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if any(v == f"TMPDIR={tmp}".encode() or v.startswith(f"TMPDIR={tmp}/".encode()) for v in variables):
+            found.append(int(entry))
+    return found
+
+
+def _wait_until_gone(tmp: Path, seconds: float = 30.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := _processes_under(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_replay_jobs_without_a_model_leave_no_temp_dir(tmp_path):
+    """Each ``--jobs`` child used to make its own vLLM cache dir (no --model: the parent had made
+    none), and a pool worker never runs the atexit that removes it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = _replay_process(tmp, "--configs", "stock,plugin", "--jobs", "2", "--json")
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert [r["name"] for r in report["results"]] == ["stock", "plugin"]
+    assert _wait_until_gone(tmp) == []
+    assert list(tmp.iterdir()) == []
+
+
+def test_sigterm_stops_the_replay_children_and_leaves_no_temp_dir(tmp_path):
+    """``kill`` (a job's time limit) of a ``--jobs 2`` replay while both children replay: exit 143
+    at once, one line, no worker left running, nothing left in TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    # Long enough (minutes) that both configurations are mid-run when the signal comes.
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        mooncake_line(i * 100, 1500, 50, [i % 7, 1000 + i, 2000 + i]) + "\n" for i in range(3000)
+    ))
+    argv, env = _replay_process(tmp, "--trace", str(trace), "--configs", "stock,plugin", "--jobs", "2",
+                                "--model", QWEN3_NEXT)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        started = set()
+        for line in proc.stderr:  # each child's first progress line names its configuration
+            started |= {label for label in ("[1/2]", "[2/2]") if label in line}
+            if len(started) == 2:
+                break
+        assert started == {"[1/2]", "[2/2]"}
+        assert len(_processes_under(tmp)) >= 3  # this replay, its two workers (and multiprocessing's tracker)
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # orphaned workers still hold stderr open
+            err = "stderr still open 120 s after SIGTERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = _wait_until_gone(tmp, seconds=10)
+        for pid in left:  # a failed run's orphans must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143
+    assert left == []
+    assert "hybrid-kv: terminated\n" in err and "Traceback" not in err, err[-2000:]
     assert list(tmp.iterdir()) == []

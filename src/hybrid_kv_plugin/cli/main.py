@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import textwrap
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 DESCRIPTION = """\
 hybrid-kv: check and measure the hybrid-kv vLLM plugin on this machine's vLLM.
@@ -25,6 +29,7 @@ exit codes (every subcommand):
      `vllm serve` line, a malformed HYBRID_KV_* environment variable
   1  failure: the plugin cannot work here (doctor: vLLM outside 0.26-0.33, not installed, or
      changed internals) or an internal error
+  130, 143  interrupted (Ctrl-C) or terminated (SIGTERM): child processes stopped, temp files removed
 
 vLLM's own log lines go to stderr; stdout carries only the report (--json is pure JSON).
 """
@@ -158,9 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main(argv: Sequence[str] | None = None) -> int:
     """The console script: applies the exit-code rule of :data:`EXIT_CODES` to every subcommand."""
     from hybrid_kv_plugin.config import PluginConfigError
+    from hybrid_kv_plugin.models.environment import private_temp_root
 
     try:
-        return main(argv)
+        with private_temp_root(), _sigterm_exits():
+            return main(argv)
     except SystemExit as stop:
         if isinstance(stop.code, str):  # a command's one-line refusal of bad input
             print(stop.code, file=sys.stderr)
@@ -180,6 +187,29 @@ def console_main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
+
+
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM (``kill``, a job's time limit) ends the command as Ctrl-C does: through the
+    ``finally`` blocks that stop child processes and remove the temp root, which the default
+    action (die at once) would skip. Only the main thread may set a handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        print("hybrid-kv: terminated", file=sys.stderr)
+        raise SystemExit(EXIT_TERMINATED)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -219,14 +219,36 @@ def _run_in_processes(segments: list[Any], settings: Any, configs: list[Any], la
                       jobs: int) -> tuple[list[Any], list[dict[str, Any]]]:
     """Each configuration in a fresh (spawned) process, up to ``jobs`` at once; results in
     ``configs`` order. Spawned, not forked: the parent has run torch, whose thread pools a fork
-    does not carry over safely. A child's failure is raised here, with its traceback."""
+    does not carry over safely. A child's failure is raised here, with its traceback; it, an
+    interrupt or SIGTERM stops the other children at once instead of waiting for their runs."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=multiprocessing.get_context("spawn"))
+    try:
         futures = [pool.submit(_child_run, segments, settings, c, label, rows) for c, label in zip(configs, labels)]
         done = [f.result() for f in futures]
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown()
     return [r for r, _ in done], [t for _, t in done]
+
+
+def _stop_workers(pool: Any) -> None:
+    """Terminate a process pool's workers and wait for them: ``shutdown`` alone lets each finish
+    the configuration it is replaying (minutes) and, once it returns, forgets who they were."""
+    import multiprocessing
+
+    workers = multiprocessing.active_children()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join(timeout=30)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def _wall() -> float:
