@@ -88,8 +88,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "junction-split-stops-past-the-prompt",
         "junction/split.py",
-        "    if junction <= prompt:\n",
-        "    if junction:\n",
+        "    stop = junction if start < junction < end and junction <= prompt else None\n",
+        "    stop = junction if start < junction < end else None\n",
         (JUNCTION_OUTSIDE,),
         ("0.29.0",),
     ),

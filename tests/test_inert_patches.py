@@ -177,11 +177,18 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
     bound = _bound(engine)
     if adapter.version in JUNCTION_BACKPORT_WHEELS:
         assert managers == ["FullAttentionManager", "JunctionMambaManager"]
-        # 0.29: the inert prompt-tail split is peeled down to the junction split.
-        expected: dict[str, str] = {}
+        coordinator = engine.scheduler.kv_cache_manager.coordinator
+        assert coordinator.retention_interval is None  # this engine: no sparse retention
+        # No replay boundaries to hand over without sparse retention: coordinator and junction
+        # managers run the stock cache_blocks. 0.29: the inert prompt-tail split is peeled down
+        # to the junction split.
+        expected: dict[str, str] = {"coordinator": "stock"}
         if adapter.version in PROMPT_TAIL_WHEELS:
-            expected = {"scheduler": "junction_split"}
+            expected["scheduler"] = "junction_split"
         assert bound == expected
+        for manager in coordinator.single_type_managers:
+            if type(manager).__name__ == "JunctionMambaManager":
+                assert manager.cache_blocks.__func__ is coordinator._stock_mamba_manager_cls.cache_blocks
     else:  # native junction: nothing of the plugin's junction is installed
         assert managers == ["FullAttentionManager", "MambaManager"]
         assert bound == {"scheduler": "stock"}

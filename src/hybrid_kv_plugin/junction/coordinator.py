@@ -5,8 +5,9 @@ global (``get_kv_cache_coordinator`` looks the name up at call time, so every
 hybrid coordinator built afterwards - the scheduler's and any connector's - is
 one). It computes the plan once when its scheduler binds it (:func:`plan_of`, at the
 end of the scheduler's constructor). An open plan upgrades its Mamba managers to the
-junction subclass, which gets the plan, and hands them the EAGLE-aware replay
-boundaries on every ``cache_blocks`` call. A closed plan leaves the managers the
+junction subclass, which gets the plan, and, under sparse retention, hands them the
+EAGLE-aware replay boundaries on every ``cache_blocks`` call (without it, coordinator and
+managers are bound to the stock ``cache_blocks``). A closed plan leaves the managers the
 wheel's own and binds the stock ``cache_blocks`` on the coordinator, so the switch off
 costs nothing per step. Unbound (a connector's CPU-side coordinator), it is the stock
 coordinator.
@@ -44,8 +45,16 @@ class JunctionCoordinatorMixin:
             # Exactly the stock class: a manager some other plugin registered is left alone.
             if type(manager) is self._stock_mamba_manager_cls:
                 adopt(manager, self._junction_manager_cls)
-        for manager in self._junction_managers():
+        managers = self._junction_managers()
+        for manager in managers:
             manager.apply_plan(plan)
+        if self.retention_interval is None:  # type: ignore[attr-defined]
+            # Without sparse retention there are no replay boundaries to hand over: both
+            # cache_blocks overrides would pass straight through on every call. (The class swap
+            # already moved the managers' attributes off inline storage: binding costs nothing.)
+            self.cache_blocks = MethodType(self._stock_coordinator_cls.cache_blocks, self)
+            for manager in managers:
+                manager.cache_blocks = MethodType(self._stock_mamba_manager_cls.cache_blocks, manager)
         return plan
 
     def _junction_managers(self) -> list[Any]:

@@ -45,8 +45,12 @@ def _build(stock: type, tracks_producers: bool) -> type:
         replay_handoff: tuple[int, ...] | None = None
 
         def apply_plan(self, plan: JunctionPlan) -> None:
-            self.junction_enabled = plan.enabled
-            self.lowers_prompt_tail = plan.enabled and plan.lowered_tail and self.use_eagle
+            # Only an align manager whose block is coarser than the hash unit has sub-block
+            # positions to keep; decided once here rather than on every cached chunk.
+            self.junction_enabled = (
+                plan.enabled and self.mamba_cache_mode == "align" and self.block_size > self.block_pool.hash_block_size
+            )
+            self.lowers_prompt_tail = self.junction_enabled and plan.lowered_tail and self.use_eagle
 
         # Stock methods are looked up on ``stock`` at call time, not via ``super()`` (the
         # same method: this class adds nothing between) - cheaper, and they run every step.
@@ -77,9 +81,8 @@ def _build(stock: type, tracks_producers: bool) -> type:
             return stock._cache_partial_tail_block(self, request, num_tokens)
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
+            # Asked only with ``junction_enabled``: an align manager with sub-block hash positions.
             unit = self.block_pool.hash_block_size
-            if self.mamba_cache_mode != "align" or self.block_size <= unit:
-                return False
             # Only sub-block positions on the hash grid: block ends are full-block entries.
             if num_tokens % unit or num_tokens % self.block_size == 0:
                 return False

@@ -42,14 +42,16 @@ def junction_stop(
     """
     if not plan.enabled:
         return None
+    # Asked for every prefill chunk: no candidate list, and the cheap window test first.
     prompt = request.num_prompt_tokens
-    candidates = []
     junction = request.shared_prefix_boundary
-    if junction <= prompt:
-        candidates.append(junction)
+    stop = junction if start < junction < end and junction <= prompt else None
     if plan.lowered_tail:
         tail = lowered_tail(prompt, hash_block_size)
-        if last_pinned_boundary(request, block_size, eagle_drop) < tail < prompt:
-            candidates.append(tail)
-    inside = [stop for stop in candidates if start < stop < end]
-    return min(inside, default=None)
+        if (
+            start < tail < end
+            and (stop is None or tail < stop)
+            and last_pinned_boundary(request, block_size, eagle_drop) < tail < prompt
+        ):
+            stop = tail
+    return stop

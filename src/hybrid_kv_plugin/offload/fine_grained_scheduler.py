@@ -32,8 +32,11 @@ reconciles most CPU hits to zero.
 
 The per-block loops read ``KVCacheBlock``'s hash slots (``_block_hash``,
 ``_block_hash_num_tokens``) directly: on 0.29 the public names are properties, a
-Python call per read, and these loops run for every scheduled request each step
-(:meth:`FineGrainedOffloadScheduler.adopt` checks the slots exist).
+Python call per read, and these loops run for every scheduled request each step.
+Likewise "is this key cached on CPU" is a membership test on the CPU map's dict
+(``BlockHashToBlockMap._cache``, which holds only present keys) rather than a
+``get_one_block`` call per candidate block. :meth:`FineGrainedOffloadScheduler.adopt`
+checks both exist.
 
 The connector adopts the object the stock connector constructs (see
 :meth:`FineGrainedOffloadScheduler.adopt`), so the wheel's own option parsing
@@ -171,6 +174,12 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 f"{', '.join(missing)}, which vLLM {adapter.version} does not have; set "
                 '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
             )
+        if not isinstance(getattr(stock.cpu_block_pool.cached_block_hash_to_block, "_cache", None), dict):
+            raise PluginConfigError(
+                f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads BlockHashToBlockMap._cache, "
+                f"which vLLM {adapter.version} does not have; set "
+                '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
+            )
         fine = cls.__new__(cls)
         for name, value in vars(stock).items():
             setattr(fine, name, value)
@@ -251,7 +260,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         table = blocks.get_block_ids()
         if not self._lazy_mode and req_id not in self._reqs_to_store:
             self._reqs_to_store[req_id] = StoreRequestState(
-                request=request, block_ids=tuple([] for _ in table), num_stored_blocks=[0] * len(table)
+                request=request, block_ids=tuple([[] for _ in table]), num_stored_blocks=[0] * len(table)
             )
         pending = self._pending_cpu_hits.pop(req_id, None)
         if num_external_tokens == 0 or pending is None:
@@ -270,7 +279,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             f"{num_external_tokens} external tokens are not a multiple of the hash block {self.hash_block_size}"
         )
         gpu_ids: list[int] = []
-        sources: list[KVCacheBlock] = []
+        source_ids: list[int] = []  # the CPU blocks loaded, index-parallel with gpu_ids
         # The lookup pinned every hit block. A source keeps its pin as the hold for its
         # load; the others are released (the counts of touching the sources, then
         # releasing every pinned block, without the two passes). 0.29's scheduler grants
@@ -281,20 +290,23 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             wanted = cdiv(num_external_tokens, size)
             first_slot = pending.local_tokens // size
             group_blocks = pending.blocks[g]
-            for offset, cpu_block in enumerate(group_blocks[:wanted]):
+            row = table[g]
+            for slot, cpu_block in enumerate(group_blocks[:wanted], first_slot):
                 if cpu_block.is_null:  # a Mamba state that is not needed, or padding
                     continue
-                gpu_ids.append(table[g][first_slot + offset])
-                sources.append(cpu_block)
+                gpu_ids.append(row[slot])
+                source_ids.append(cpu_block.block_id)
             if len(group_blocks) > wanted:
                 released.extend(b for b in group_blocks[wanted:] if not b.is_null)
         if released:
             self.cpu_block_pool.free_blocks(released)
-        assert self._gpu_block_pool is not None
-        self._gpu_block_pool.touch([self._gpu_block_pool.blocks[i] for i in gpu_ids])
+        gpu_pool = self._gpu_block_pool
+        assert gpu_pool is not None
+        gpu_blocks = gpu_pool.blocks  # read once, not per block
+        gpu_pool.touch([gpu_blocks[i] for i in gpu_ids])
         assert req_id not in self._reqs_to_load
         self._reqs_to_load[req_id] = LoadRequestState(
-            request=request, transfer_meta=TransferMeta(gpu_ids, [b.block_id for b in sources])
+            request=request, transfer_meta=TransferMeta(gpu_ids, source_ids)
         )
 
     def _free_pending_cpu_hit(self, pending: Any) -> None:
@@ -312,7 +324,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             return StoreOutcome.DROPPED_NOT_HASHED
         if block.block_id in self._in_flight_store_gpu_blocks:
             return StoreOutcome.SKIPPED_IN_FLIGHT
-        if key in batch.keys or self.cpu_block_pool.cached_block_hash_to_block.get_one_block(key) is not None:
+        if key in batch.keys or key in self.cpu_block_pool.cached_block_hash_to_block._cache:
             return StoreOutcome.SKIPPED_ALREADY_CACHED
         return StoreOutcome.STORED
 
@@ -358,7 +370,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             gpu_blocks = pool.blocks
             secondary_keys = pool.cached_block_hashes_by_block
             in_flight = self._in_flight_store_gpu_blocks
-            cpu_cached = self.cpu_block_pool.cached_block_hash_to_block
+            cpu_cached = self.cpu_block_pool.cached_block_hash_to_block._cache
             staged_keys = batch.keys
             staged = batch.blocks
             staged_ids = batch.gpu_block_ids
@@ -373,7 +385,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                     key is None
                     or block_id in in_flight
                     or key in staged_keys
-                    or cpu_cached.get_one_block(key) is not None
+                    or key in cpu_cached
                 ):
                     continue
                 if len(staged) >= batch.room:
@@ -461,7 +473,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 continue
             table = state.block_ids
             if resumed:  # preempted and rescheduled: the block table starts over
-                state.block_ids = table = tuple([] for _ in table)
+                state.block_ids = table = tuple([[] for _ in table])
                 state.num_stored_blocks = [0] * len(table)
             if new_ids:
                 for g, ids in enumerate(new_ids):
@@ -496,15 +508,19 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
     def _allocate(self, batch: StoreBatch) -> StoreBatch:
         """Give every staged block a CPU destination and hold its GPU source until the copy completes."""
         if batch.blocks:
-            assert self._gpu_block_pool is not None
+            gpu_pool = self._gpu_block_pool
+            assert gpu_pool is not None
             batch.cpu_block_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(batch.blocks))]
-            self._gpu_block_pool.touch([self._gpu_block_pool.blocks[i] for i in batch.gpu_block_ids])
+            gpu_blocks = gpu_pool.blocks  # read once, not per block
+            gpu_pool.touch([gpu_blocks[i] for i in batch.gpu_block_ids])
         return batch
 
     def prepare_store_specs(self, scheduler_output: Any) -> tuple[list[int], list[int], list[str]]:
-        # Checked first: a dropped block leaves the in-flight set before this step's scan.
-        finished = [self._still_cached(queued) for queued in self._finish_batches]
-        self._finish_batches.clear()
+        finished: list[StoreBatch] = []
+        if self._finish_batches:  # most steps have none queued
+            # Checked first: a dropped block leaves the in-flight set before this step's scan.
+            finished = [self._still_cached(queued) for queued in self._finish_batches]
+            self._finish_batches.clear()
         batch = self._allocate(self._collect_lazy() if self._lazy_mode else self._collect_eager(scheduler_output))
         # Stores queued when a request finished ride along with this step's event.
         for queued in finished:
@@ -600,25 +616,32 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """Make the copies findable under their sources' keys, then drop the transfer's references."""
         assert len(staged) == len(transfer.cpu_block_ids) == len(transfer.gpu_block_ids)
         cpu_pool = self.cpu_block_pool
-        cpu_blocks = [cpu_pool.blocks[i] for i in transfer.cpu_block_ids]
+        pool_blocks = cpu_pool.blocks  # read once, not per block
+        cpu_blocks = [pool_blocks[i] for i in transfer.cpu_block_ids]
         insert = cpu_pool._insert_block_hash
         cache_map = cpu_pool.cached_block_hash_to_block
+        cached = cache_map._cache
         events = self.enable_kv_cache_events
         for cpu_block, record in zip(cpu_blocks, staged):
             keys = record.keys
             if len(keys) == 1 and cpu_block._block_hash is None:
                 # The usual record, one key, on a block fresh from the free list (no key, in
                 # no map entry): what ``_insert_block_hash`` does there, without its checks.
+                key = keys[0][0]
                 cpu_block._block_hash, cpu_block._block_hash_num_tokens = keys[0]
-                cache_map.insert(keys[0][0], cpu_block)
+                # A key no other copy holds is one dict entry (no map call); else the map merges.
+                if cached.setdefault(key, cpu_block) is not cpu_block:
+                    cache_map.insert(key, cpu_block)
             else:
                 for key, num_tokens in keys:
                     insert(key, cpu_block, num_tokens=num_tokens)
             if events:
                 cpu_pool.kv_event_queue.extend(self._stored_events(record))
         cpu_pool.free_blocks(cpu_blocks)  # cached, evictable
-        assert self._gpu_block_pool is not None
-        self._gpu_block_pool.free_blocks(self._gpu_block_pool.blocks[i] for i in transfer.gpu_block_ids)
+        gpu_pool = self._gpu_block_pool
+        assert gpu_pool is not None
+        gpu_blocks = gpu_pool.blocks
+        gpu_pool.free_blocks([gpu_blocks[i] for i in transfer.gpu_block_ids])  # a list: cheaper than a generator
 
     def _stored_events(self, record: StagedBlock) -> Iterable[BlockStored]:
         for key, num_tokens in record.keys:

@@ -68,9 +68,9 @@ def resolve_copy_chains(copies: list[Any]) -> list[Any]:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def take_kv_cache_block_copies(self: Any) -> Any:
-        copies, retained = original(self)
-        if len(copies) > 1:
-            copies = resolve_copy_chains(copies)
-        return copies, retained
+        taken = original(self)  # (copies, retained)
+        if len(taken[0]) > 1:
+            return resolve_copy_chains(taken[0]), taken[1]
+        return taken  # the usual step: the wheel's own pair, not unpacked and rebuilt
 
     return take_kv_cache_block_copies
