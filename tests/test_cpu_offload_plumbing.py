@@ -5,6 +5,7 @@ alive for queued stores, the 0.33 CPU-pool sizing gate, and the adapter facts be
 from __future__ import annotations
 
 import functools
+import types
 
 import pytest
 
@@ -63,6 +64,14 @@ def test_unknown_option_names_the_allowed_keys(plugin, adapter):
         offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hits": "yes"})
 
 
+def _backport_refusal(what: str, adapter) -> str:
+    return (
+        f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads {what}, "
+        f"which vLLM {adapter.version} does not have; set "
+        '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
+    )
+
+
 def test_backport_refuses_a_block_without_the_hash_slots_it_reads(plugin, adapter, feature, monkeypatch):
     """The backport's per-block loops read KVCacheBlock's hash slots; a wheel without them stops start-up."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -75,11 +84,22 @@ def test_backport_refuses_a_block_without_the_hash_slots_it_reads(plugin, adapte
     monkeypatch.setattr(KVCacheBlock, "__slots__", slots)  # a changed wheel, as the check sees it
     with pytest.raises(PluginConfigError) as refused:
         offload_engine(adapter)
-    assert str(refused.value) == (
-        "hybrid-kv-plugin: the fine-grained SimpleCPU backport reads KVCacheBlock slot(s) _block_hash_num_tokens, "
-        f"which vLLM {adapter.version} does not have; set "
-        '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
-    )
+    assert str(refused.value) == _backport_refusal("KVCacheBlock slot(s) _block_hash_num_tokens", adapter)
+    monkeypatch.undo()
+    # Its "already on the CPU tier" test reads the CPU map's dict: a wheel whose map keeps no
+    # plain dict there stops start-up the same way.
+    from vllm.v1.core.block_pool import BlockHashToBlockMap
+
+    stock_init = BlockHashToBlockMap.__init__
+
+    def init_without_a_dict(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        self._cache = types.MappingProxyType(self._cache)
+
+    monkeypatch.setattr(BlockHashToBlockMap, "__init__", init_without_a_dict)
+    with pytest.raises(PluginConfigError) as refused:
+        offload_engine(adapter)
+    assert str(refused.value) == _backport_refusal("BlockHashToBlockMap._cache (a dict)", adapter)
     monkeypatch.undo()
     run = offload_engine(adapter)
     assert type(run.engine.connector.scheduler_manager).__name__ == "FineGrainedOffloadScheduler"

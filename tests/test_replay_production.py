@@ -179,28 +179,24 @@ def test_bad_model_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message)
 
 
 # ---------------------------------------------------------------------------- nothing left behind
-def test_replay_leaves_no_temp_dir_and_only_the_report_on_stdout(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
-    env.update(TMPDIR=str(tmp), PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run(
-        [sys.executable, "-m", "hybrid_kv_plugin.cli.main", "replay", "--trace", str(SAMPLE), "--limit", "3",
-         "--configs", "stock", "--json", "--model", QWEN3_NEXT],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)  # stdout is the report and nothing else
-    assert report["model_geometry"]["attention_block_size"] == 544
-    assert [r["requests"] for r in report["results"]] == [3]
-    assert list(tmp.iterdir()) == []
-
-
 def _replay_process(tmp: Path, *argv: str) -> tuple[list[str], dict[str, str]]:
     """``hybrid-kv replay ARGV`` as a process of its own, with ``tmp`` as its TMPDIR."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
     env.update(TMPDIR=str(tmp), PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return [sys.executable, "-m", "hybrid_kv_plugin.cli.main", "replay", *argv], env
+
+
+def test_replay_leaves_no_temp_dir_and_only_the_report_on_stdout(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = _replay_process(tmp, "--trace", str(SAMPLE), "--limit", "3", "--configs", "stock", "--json",
+                                "--model", QWEN3_NEXT)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)  # stdout is the report and nothing else
+    assert report["model_geometry"]["attention_block_size"] == 544
+    assert [r["requests"] for r in report["results"]] == [3]
+    assert list(tmp.iterdir()) == []
 
 
 def _processes_under(tmp: Path) -> list[int]:

@@ -167,16 +167,15 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """
         if not isinstance(stock, SimpleCPUOffloadScheduler):
             raise TypeError(f"cannot adopt {type(stock).__name__}")
-        missing = [name for name in HASH_SLOTS if name not in getattr(KVCacheBlock, "__slots__", ())]
-        if missing:
-            raise PluginConfigError(
-                f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads KVCacheBlock slot(s) "
-                f"{', '.join(missing)}, which vLLM {adapter.version} does not have; set "
-                '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
-            )
+        lacking = []
+        missing_slots = [name for name in HASH_SLOTS if name not in getattr(KVCacheBlock, "__slots__", ())]
+        if missing_slots:
+            lacking.append(f"KVCacheBlock slot(s) {', '.join(missing_slots)}")
         if not isinstance(getattr(stock.cpu_block_pool.cached_block_hash_to_block, "_cache", None), dict):
+            lacking.append("BlockHashToBlockMap._cache (a dict)")
+        if lacking:
             raise PluginConfigError(
-                f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads BlockHashToBlockMap._cache, "
+                f"hybrid-kv-plugin: the fine-grained SimpleCPU backport reads {' and '.join(lacking)}, "
                 f"which vLLM {adapter.version} does not have; set "
                 '"fine_grained_hits": false in kv_connector_extra_config to run the stock SimpleCPU connector.'
             )
