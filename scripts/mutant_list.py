@@ -412,4 +412,49 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_divergence_checkpoint.py::test_cpu_tier_only_hit_sets_the_divergence_point",),
         ("0.29.0", "0.33.0"),
     ),
+    Mutant(
+        "request-ends-admission-keeps-the-prompt-tail",
+        "offload/admission.py",
+        "or entry[2] < tail_start or",
+        "or entry[2] <= tail_start or",
+        # A prompt-end state exactly at the prompt's tail position reaches the CPU tier anyway.
+        ("tests/test_cpu_tier_request_ends.py::test_next_turn_resumes_below_a_skipped_end",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "request-ends-admission-declines-grid-ends",
+        "offload/admission.py",
+        "if entry[2] % sizes[entry[0]] == 0 or entry[2] < tail_start",
+        "if entry[2] < tail_start",
+        # A request end on the Mamba grid is declined too: the next turn loses the block-end state.
+        ("tests/test_cpu_tier_request_ends.py::test_an_end_on_the_mamba_grid_is_stored",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "request-ends-admission-declines-divergence-points",
+        "offload/admission.py",
+        " or entry[2] == divergence\n",
+        "\n",
+        # A divergence point that is also the prompt's end is declined: the next branch loses it.
+        ("tests/test_cpu_tier_request_ends.py::test_a_divergence_point_at_the_prompt_end_is_stored",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "request-ends-admission-stores-partial-tails",
+        "offload/admission.py",
+        "if found is not None and self._declines(",
+        "if False and self._declines(",
+        # The attention partial tails of request ends still fill the CPU tier.
+        ("tests/test_cpu_tier_request_ends.py::test_request_ends_push_out_a_shared_prefix",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "replay-declined-request-ends-count-as-kept",
+        "sim/replay.py",
+        "Fate.DROPPED if (rid, position) in declined else state_fate",
+        "state_fate",
+        # The loss split calls a state the CPU tier never took "evicted".
+        ("tests/test_replay.py::test_skipped_request_ends_show_as_dropped_hand_offs",),
+        ("0.33.0",),
+    ),
 )

@@ -107,7 +107,7 @@ def test_connector_unknown_key_lists_both_key_sets(plugin, make_engine, adapter)
         make_engine(kv_connector=CONNECTOR_NAME, kv_connector_extra_config={**CPU, "fine_grained": True})
     assert str(err.value) == (
         "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.fine_grained: unknown key "
-        f"(allowed keys: cpu_tier_eviction, fine_grained_hits); this vLLM's SimpleCPU keys: {', '.join(sorted(adapter.simplecpu_stock_keys))}"
+        f"(allowed keys: cpu_tier_eviction, cpu_tier_request_ends, fine_grained_hits); this vLLM's SimpleCPU keys: {', '.join(sorted(adapter.simplecpu_stock_keys))}"
     )
 
 

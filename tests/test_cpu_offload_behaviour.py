@@ -320,4 +320,5 @@ def test_boundary_store_stats_same_fields_everywhere(plugin, adapter, feature, s
         "skipped_in_flight": skipped,
         "dropped_null_block": 0,
         "dropped_not_hashed": 0,
+        "declined_request_end": 0,
     }

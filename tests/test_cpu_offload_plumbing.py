@@ -59,7 +59,7 @@ def test_adapter_verdict_and_patches(adapter):
 def test_unknown_option_names_the_allowed_keys(plugin, adapter):
     with pytest.raises(PluginConfigError) as bad:
         offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hit": True})
-    assert "kv_connector_extra_config.fine_grained_hit: unknown key (allowed keys: cpu_tier_eviction, fine_grained_hits)" in str(bad.value)
+    assert "kv_connector_extra_config.fine_grained_hit: unknown key (allowed keys: cpu_tier_eviction, cpu_tier_request_ends, fine_grained_hits)" in str(bad.value)
     with pytest.raises(PluginConfigError, match=r"fine_grained_hits: .*allowed: true or false"):
         offload_engine(adapter, CONNECTOR_NAME, extra={"fine_grained_hits": "yes"})
 
@@ -195,6 +195,7 @@ def test_every_outcome_counted_and_exported(plugin, adapter, feature):
         "skipped_in_flight": 1,
         "dropped_null_block": 1,
         "dropped_not_hashed": 1,
+        "declined_request_end": 0,
     }
     run.invariants.check()
 
@@ -227,7 +228,9 @@ def test_stock_modes_report_zero_stats(plugin, adapter):
     connector = run.engine.connector
     stats = connector.get_boundary_store_stats().as_dict()
     if _support(adapter) is Support.NATIVE:  # opting out cannot switch a native wheel off: vLLM's own counters
-        assert stats == dataclasses.asdict(connector.scheduler_manager.get_boundary_store_stats())
+        # (plus the plugin's own outcome, 0 without cpu_tier_request_ends: skip)
+        native = dataclasses.asdict(connector.scheduler_manager.get_boundary_store_stats())
+        assert stats == {**native, "declined_request_end": 0}
     else:
         assert stats == dict.fromkeys(stats, 0)
         assert connector.get_kv_connector_stats() is None

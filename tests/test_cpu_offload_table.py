@@ -184,5 +184,5 @@ def test_non_hybrid_model_gets_the_stock_scheduler(plugin, adapter):
     assert type(connector.scheduler_manager) is SimpleCPUOffloadScheduler
     assert connector.get_boundary_store_stats().as_dict() == dict.fromkeys(
         ["published", "stored", "dropped_cpu_full", "dropped_request_gone", "skipped_already_cached",
-         "skipped_in_flight", "dropped_null_block", "dropped_not_hashed"], 0
+         "skipped_in_flight", "dropped_null_block", "dropped_not_hashed", "declined_request_end"], 0
     )

@@ -64,7 +64,7 @@ def test_connector_options_pass_stock_keys_and_reject_typos(adapter):
     assert connector_options_from({"cpu_bytes_to_use": 1 << 30, "lazy_offload": False}, stock) == ConnectorOptions()
     with pytest.raises(PluginConfigError) as err:
         connector_options_from({"cpu_bytes_to_us": 1 << 30}, stock)
-    assert "kv_connector_extra_config.cpu_bytes_to_us: unknown key (allowed keys: cpu_tier_eviction, fine_grained_hits)" in str(err.value)
+    assert "kv_connector_extra_config.cpu_bytes_to_us: unknown key (allowed keys: cpu_tier_eviction, cpu_tier_request_ends, fine_grained_hits)" in str(err.value)
     assert "cpu_bytes_to_use, cpu_bytes_to_use_per_rank" in str(err.value)
 
 

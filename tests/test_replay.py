@@ -133,6 +133,24 @@ def test_stock_loses_off_grid_cpu_reuse_and_the_attribution_says_why(adapter, sm
         assert chat["c0-t1"]["loss"] == {Bucket.NO_MAMBA_STATE.value: 16, Bucket.HANDOFF_DROPPED.value: 288}
 
 
+# c0-t1 under ``cpu_tier_request_ends: skip`` (reused, from CPU, loss): c0's prompt-end state
+# (288, off the 64-token grid) never reached the CPU tier, and the loss split says so; 0.26-0.27
+# still have the state at the last whole block (256). c1's end (192) is on the grid: kept.
+SKIPPED_END = (0, 0, {"no_mamba_state": 16, "handoff_dropped": 288})
+SKIPPED_END_KEEPS_EVERY_BLOCK = (256, 256, {"no_mamba_state": 16, "handoff_dropped": 32})
+
+
+def test_skipped_request_ends_show_as_dropped_hand_offs(adapter, small_results):
+    skipped = small_results["plugin+skip-ends"]
+    assert_buckets_sum_to_the_loss(skipped)
+    chat = skipped.segments[0].per_request
+    row = chat["c0-t1"]
+    expected = SKIPPED_END_KEEPS_EVERY_BLOCK if adapter.version in KEEPS_EVERY_BLOCK else SKIPPED_END
+    assert (row["reused"], row["cpu"], {k: v for k, v in row["loss"].items() if v}) == expected
+    assert (chat["c1-t1"]["reused"], chat["c1-t1"]["cpu"]) == (192, 192)
+    assert small_results["plugin"].segments[0].per_request["c0-t1"]["reused"] == 288
+
+
 def test_replay_is_deterministic(small_results):
     again = replay(small_workload(), ReplaySettings(), CONFIGS["stock"])
     assert again.as_dict(per_request=True) == small_results["stock"].as_dict(per_request=True)
@@ -242,7 +260,8 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
         "hybrid-kv: --configs 'stock,fast': allowed: stock, stock+retain-0, stock+retain-unit, stock+retain-4units, "
         "stock+retain-block, stock+retain-2blocks, stock+retain-4blocks, stock+shared-prefix, plugin, plugin+junction, "
         "plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+hybrid-tier, plugin+divergence, plugin+divergence+hybrid-tier, "
-        "plugin+divergence+output-checkpoint+hybrid-tier\n"
+        "plugin+divergence+output-checkpoint+hybrid-tier, plugin+skip-ends, plugin+divergence+skip-ends, "
+        "plugin+divergence+hybrid-tier+skip-ends\n"
     )
 
 

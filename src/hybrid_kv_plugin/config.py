@@ -90,6 +90,14 @@ class ConnectorOptions(BaseModel):
         "evicted first (needs the fine-grained hybrid connector, vLLM 0.29+). "
         "See hybrid_kv_plugin.offload.eviction.",
     )
+    cpu_tier_request_ends: Literal["store", "skip"] = Field(
+        default="store",
+        description="Whether the CPU tier takes a request's own end state when it lies off the Mamba block "
+        "grid (the prompt's last unit boundary, the newest kept answer state, and the attention block holding "
+        "it): store = yes; skip = no, it serves only the same conversation's next turn and a tier that turns "
+        "over faster than conversations continue loses other requests' KV to it (the GPU cache still keeps "
+        "it; needs the fine-grained hybrid connector, vLLM 0.29+). See hybrid_kv_plugin.offload.admission.",
+    )
 
 
 def _describe_error(prefix: str, model: type[BaseModel], err: ValidationError) -> str:

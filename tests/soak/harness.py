@@ -106,6 +106,13 @@ def variants(adapter: Any) -> list[Variant]:
             if adapter.divergence_checkpoint_supported
             else []
         ),
+        # The CPU tier declines request ends off the Mamba grid (states and attention partial tails).
+        *(
+            [Variant("plugin-skip-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "skip"),),
+                     attention_block_size=32)]
+            if not opt_out
+            else []
+        ),
     ]
 
 

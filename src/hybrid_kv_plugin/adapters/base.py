@@ -104,6 +104,9 @@ class VllmAdapter:
     simplecpu_store_completion_hook: ClassVar[str] = "_process_store_completion"
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
     has_native_simplecpu_metrics: ClassVar[bool] = False
+    # The SimpleCPU scheduler side's method that picks a finished request's attention partial
+    # tail (request, block_ids) -> block or None: the backport's up to 0.29, the wheel's from 0.30.
+    simplecpu_partial_tail_finder: ClassVar[str] = "_attention_partial_tail"
     # The engine core asks workers for the aligned CPU block count only when a connector
     # *named* SimpleCPUOffloadConnector is configured (0.33+, v1/engine/core.py).
     simplecpu_block_count_gated_by_name: ClassVar[bool] = False

@@ -17,6 +17,7 @@ class Vllm030Adapter(Vllm029Adapter):
         Feature.MAMBA_SHARED_PREFIX_CHECKPOINT,
     }
     simplecpu_worker_submits_without_forward = True
+    simplecpu_partial_tail_finder = "_find_fa_partial_tail_source"
     kv_load_failure_by_request = True
     native_junction_flag = "enable_mamba_fine_grained_prefix_cache"
     native_junction_scheduler_attr = "mamba_fine_grained_prefix_cache"

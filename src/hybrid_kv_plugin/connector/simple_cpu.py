@@ -19,10 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from hybrid_kv_plugin.config import connector_options_from
+from hybrid_kv_plugin.offload.admission import attach_request_end_admission, check_cpu_tier_request_ends
 from hybrid_kv_plugin.offload.eviction import attach_cpu_tier_policy, check_cpu_tier_eviction
 from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
 from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS, BoundaryStoreStats
+from hybrid_kv_plugin.output_checkpoint.offload import attention_tail_boundary
 from hybrid_kv_plugin.registration import current_adapter
 
 
@@ -35,6 +37,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         # Raises (one message naming the wheel it needs) before anything is allocated.
         self.offload_mode = choose_mode(adapter, self.hybrid_kv_options, vllm_config, kv_cache_config)
         check_cpu_tier_eviction(self.hybrid_kv_options.cpu_tier_eviction, self.offload_mode, adapter)
+        check_cpu_tier_request_ends(self.hybrid_kv_options.cpu_tier_request_ends, self.offload_mode, adapter)
         # Worker side on wheels whose runner skips wait_for_save() on steps without a
         # forward pass: stores queued when a request finished would never be sent.
         self._submit_on_clear = (
@@ -54,6 +57,8 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
             self._backport_scheduler = self.scheduler_manager
         # The CPU tier's eviction order (offload/eviction.py); None: the wheel's LRU.
         self.cpu_tier_policy = attach_cpu_tier_policy(self)
+        # Which request-end states the CPU tier declines (offload/admission.py); None: it takes all.
+        self.request_end_admission = attach_request_end_admission(self, kv_cache_config, attention_tail_boundary)
         # Set by the divergence option's binding (divergence/cpu_tier.py); None: not tracked.
         self.cpu_tier_reach: Any = None
 
@@ -93,6 +98,9 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return result
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.request_end_admission is not None:
+            # First: the eviction order must not see a declined state as a request's deepest.
+            self.request_end_admission.filter_step(scheduler_output)
         if self.cpu_tier_policy is not None:
             gpu_pool = self.hybrid_kv_adapter.offload_gpu_block_pool(self.scheduler_manager)
             self.cpu_tier_policy.observe_step(scheduler_output, gpu_pool)
@@ -120,8 +128,16 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         if self.offload_mode is OffloadMode.BACKPORT:
             return manager.get_boundary_store_stats()
         if self.offload_mode is OffloadMode.NATIVE:
-            return BoundaryStoreStats.from_native(super().get_boundary_store_stats())
+            return self._with_declined_ends(BoundaryStoreStats.from_native(super().get_boundary_store_stats()))
         return BoundaryStoreStats()
+
+    def _with_declined_ends(self, stats: BoundaryStoreStats) -> BoundaryStoreStats:
+        """``stats`` (the wheel's own, 0.30+) plus the hand-offs ``cpu_tier_request_ends`` kept from it."""
+        if self.request_end_admission is not None:
+            declined = self.request_end_admission.declined_since_reset()
+            stats.declined_request_end += declined
+            stats.published += declined
+        return stats
 
     def _outcome_growth(self) -> dict[str, int]:
         """Per outcome label, how much the wheel's native counters (0.30) grew since the last report.
@@ -138,10 +154,12 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         else:
             # Counters only grow and ``published`` moves with each of them, so the same
             # object with the same total has not moved (a reset replaces the object).
-            if live is self._outcomes_source and live.published == self._outcomes_reported["published"]:
+            admission = self.request_end_admission
+            published = live.published + (admission.declined_since_reset() if admission is not None else 0)
+            if live is self._outcomes_source and published == self._outcomes_reported["published"]:
                 return {}
             self._outcomes_source = live
-            now = BoundaryStoreStats.from_native(live).__dict__
+            now = self._with_declined_ends(BoundaryStoreStats.from_native(live)).__dict__
         reported = self._outcomes_reported
         if now == reported:
             return {}

@@ -24,6 +24,8 @@ class StoreOutcome(str, Enum):
     DROPPED_NOT_HASHED = "dropped_not_hashed"
     SKIPPED_ALREADY_CACHED = "skipped_already_cached"
     SKIPPED_IN_FLIGHT = "skipped_in_flight"
+    # ``cpu_tier_request_ends: skip`` kept it off the tier (offload/admission.py); the plugin's own.
+    DECLINED_REQUEST_END = "declined_request_end"
 
 
 # Each outcome's label, which is also its counter field (the metrics read the growth every step).
@@ -42,6 +44,7 @@ class BoundaryStoreStats:
     dropped_not_hashed: int = 0
     skipped_already_cached: int = 0
     skipped_in_flight: int = 0
+    declined_request_end: int = 0
 
     def add(self, counts: dict[str, int]) -> None:
         """Add ``{outcome label: n}`` (labels as in :data:`OUTCOME_LABELS`; ``published`` grows by each n)."""

@@ -73,7 +73,7 @@ class Fate(str, Enum):
 
     KEPT = "kept"  # stored, or already / about to be on the CPU (connector counted it)
     CPU_FULL = "cpu_full"  # declined: no free CPU block
-    DROPPED = "dropped"  # declined: request gone, null block, not hashed
+    DROPPED = "dropped"  # declined: request gone, null block, not hashed, a request end kept off the tier
     UNKNOWN = "unknown"  # no counters (connector ignores hand-offs, or no hand-off channel)
 
 
@@ -136,7 +136,10 @@ def fate_of_step(outcomes: dict[str, int] | None) -> Fate:
     if outcomes.get("dropped_cpu_full", 0):
         return Fate.CPU_FULL
     kept = sum(outcomes.get(k, 0) for k in ("stored", "skipped_already_cached", "skipped_in_flight"))
-    declined = sum(outcomes.get(k, 0) for k in ("dropped_request_gone", "dropped_null_block", "dropped_not_hashed"))
+    declined = sum(
+        outcomes.get(k, 0)
+        for k in ("dropped_request_gone", "dropped_null_block", "dropped_not_hashed", "declined_request_end")
+    )
     if declined and not kept:
         return Fate.DROPPED
     return Fate.KEPT

@@ -53,6 +53,8 @@ class ReplayConfig:
     native_shared_prefix_checkpoint: bool = False
     # ``kv_connector_extra_config.cpu_tier_eviction`` (plugin only; offload/eviction.py).
     cpu_tier_eviction: str = "lru"
+    # ``kv_connector_extra_config.cpu_tier_request_ends`` (plugin only; offload/admission.py).
+    cpu_tier_request_ends: str = "store"
 
     @property
     def connector(self) -> str:
@@ -80,9 +82,14 @@ class ReplayConfig:
 
     def connector_extra_config(self) -> dict[str, Any]:
         """The plugin's connector options this configuration sets (beyond the CPU budget)."""
-        if self.plugin and self.cpu_tier_eviction != "lru":
-            return {"cpu_tier_eviction": self.cpu_tier_eviction}
-        return {}
+        if not self.plugin:
+            return {}
+        options: dict[str, Any] = {}
+        if self.cpu_tier_eviction != "lru":
+            options["cpu_tier_eviction"] = self.cpu_tier_eviction
+        if self.cpu_tier_request_ends != "store":
+            options["cpu_tier_request_ends"] = self.cpu_tier_request_ends
+        return options
 
     def engine_geometry(self, geometry: Any, adapter: Any) -> Any:
         """``geometry`` with this configuration's stock knobs set (the retention interval in
@@ -145,5 +152,13 @@ CONFIGS = {
     "plugin+divergence+output-checkpoint+hybrid-tier": ReplayConfig(
         "plugin+divergence+output-checkpoint+hybrid-tier", plugin=True, mamba_divergence_checkpoint=True,
         mamba_output_checkpoint=True, cpu_tier_eviction="hybrid",
+    ),
+    "plugin+skip-ends": ReplayConfig("plugin+skip-ends", plugin=True, cpu_tier_request_ends="skip"),
+    "plugin+divergence+skip-ends": ReplayConfig(
+        "plugin+divergence+skip-ends", plugin=True, mamba_divergence_checkpoint=True, cpu_tier_request_ends="skip"
+    ),
+    "plugin+divergence+hybrid-tier+skip-ends": ReplayConfig(
+        "plugin+divergence+hybrid-tier+skip-ends", plugin=True, mamba_divergence_checkpoint=True,
+        cpu_tier_eviction="hybrid", cpu_tier_request_ends="skip",
     ),
 }

@@ -510,7 +510,9 @@ class _SegmentRun:
             gone = {rid for rid in handoffs if rid in leaving or rid not in scheduler.requests}
             before = self._store_stats()
             meta = build(scheduler_output)
-            self._record_handoffs(handoffs, gone, before, self._store_stats())
+            admission = getattr(connector, "request_end_admission", None)
+            declined = admission.declined_this_step if admission is not None else ()
+            self._record_handoffs(handoffs, gone, before, self._store_stats(), declined)
             return meta
 
         connector.build_connector_meta = observed_build
@@ -574,7 +576,10 @@ class _SegmentRun:
         gone: set[str],
         before: dict[str, int] | None,
         after: dict[str, int] | None,
+        declined: Any = (),
     ) -> None:
+        """``declined``: (request id, position) of hand-offs the connector's admission kept off the
+        CPU tier before its counters saw them (``cpu_tier_request_ends: skip``)."""
         growth = None if before is None or after is None else {k: after[k] - before[k] for k in STORE_FIELDS}
         fate = fate_of_step(growth)
         for rid, positions in handoffs.items():
@@ -583,7 +588,7 @@ class _SegmentRun:
             # A connector with counters declines every hand-off of a request that is leaving.
             state_fate = Fate.DROPPED if rid in gone and fate is not Fate.UNKNOWN else fate
             for position in positions:
-                self._add_state(rid, position, state_fate)
+                self._add_state(rid, position, Fate.DROPPED if (rid, position) in declined else state_fate)
 
     def _end_step(self) -> None:
         outcomes = self.engine.outcomes

@@ -1,0 +1,172 @@
+"""Which request-end states the CPU tier takes (``cpu_tier_request_ends: "skip"``).
+
+A request hands the CPU tier, besides its attention blocks and the Mamba states at
+chunk ends, the Mamba state at its own end: the prompt's last prefix-match unit
+boundary (and with ``mamba_output_checkpoint`` the newest kept answer position), plus
+the attention block that holds that boundary when it lies inside one (the "partial
+tail"). Off the Mamba block grid, that state serves one later request only: the next
+turn of the same conversation (an exact replay, or a continuation through the answer).
+On a tier that turns over faster than conversations continue, storing it evicts
+attention KV and states that other requests would have reused. Replays of the Mooncake
+traces (Qwen3-Next, unit 16, 40 GiB GPU, vLLM 0.33) with ``mamba_divergence_checkpoint``:
+160 GiB tier, conversation 0.591 -> 0.633 of the ideal, synthetic 0.599 -> 0.657;
+480 GiB, 0.934 -> 0.949 and 0.923 -> 0.946. It loses where the tier never fills (the
+first 300 conversation requests: 0.617 -> 0.613), so it is a switch, default ``store``
+(docs/features.md).
+
+:class:`RequestEndAdmission` sits in front of the connector's SimpleCPU scheduler side
+(the wheel's own on 0.30+, the backport up to 0.29) and only removes candidates before
+that scheduler sees them; it allocates and evicts nothing in the CPU pool.
+Invariants:
+
+- a Mamba hand-off is declined iff its boundary is off the grid of its group's Mamba
+  block, at or past the request's prompt-tail position ((N - 1) floored to the unit, N
+  the prompt length: the native replay position and the prompt's last unit boundary
+  both qualify) and not the request's divergence point (``shared_prefix_boundary``,
+  which other requests share by construction);
+- the attention partial tail is declined iff its boundary is off the Mamba grid and not
+  the divergence point (a partial tail whose Mamba state the tier keeps is still stored);
+- states on the Mamba grid, chunk ends inside the prompt and divergence states are
+  passed through unchanged; the GPU prefix cache keeps every declined state as before;
+- each declined state is counted once, as the outcome ``declined_request_end`` of the
+  connector's ``get_boundary_store_stats()`` (``published`` includes it); up to 0.30 it
+  reaches ``vllm:simple_kv_offload_save_outcomes_total`` too, not on 0.31+ (vLLM's own series).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.offload.stats import StoreOutcome
+
+# The choices of ``kv_connector_extra_config.cpu_tier_request_ends``.
+STORE = "store"
+SKIP = "skip"
+DECLINED = StoreOutcome.DECLINED_REQUEST_END.value
+
+
+def check_cpu_tier_request_ends(value: str, mode: Any, adapter: Any) -> None:
+    """Refuse ``skip`` where the connector runs the wheel's stock SimpleCPU scheduler (it
+    consumes no Mamba hand-offs, so there is nothing to decline)."""
+    from hybrid_kv_plugin.offload.mode import OffloadMode
+
+    if value == SKIP and mode is OffloadMode.STOCK:
+        raise PluginConfigError(
+            "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.cpu_tier_request_ends: 'skip' "
+            "needs the fine-grained hybrid SimpleCPU connector (fine_grained_hits true, a hybrid model with "
+            f"prefix caching), and this connector runs the stock one on vLLM {adapter.version} (allowed here: store)"
+        )
+
+
+def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
+    """The block sizes of the Mamba groups (empty for a model without one)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return frozenset(g.kv_cache_spec.block_size for g in groups if isinstance(g.kv_cache_spec, MambaSpec))
+
+
+def attach_request_end_admission(
+    connector: Any, kv_cache_config: Any, tail_boundary: Callable[[Any, int], int]
+) -> RequestEndAdmission | None:
+    """The admission ``connector``'s options ask for, on its scheduler side (None: store everything,
+    the worker side, or a model without Mamba groups). ``tail_boundary(request, unit)``: where the
+    scheduler side keys a finished request's attention partial tail."""
+    if connector.hybrid_kv_options.cpu_tier_request_ends != SKIP:
+        return None
+    manager = getattr(connector, "scheduler_manager", None)
+    grid = mamba_block_sizes(kv_cache_config)
+    if manager is None or not grid:
+        return None
+    from hybrid_kv_plugin.offload.mode import OffloadMode
+
+    # The backport counts declines with its own outcomes (and their metrics growth); on 0.30+
+    # the connector adds them to the wheel's counters when asked.
+    record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
+    finder = connector.hybrid_kv_adapter.simplecpu_partial_tail_finder
+    return RequestEndAdmission(manager, finder, grid, tail_boundary, record)
+
+
+class RequestEndAdmission:
+    """Declines request-end states off the Mamba grid for one SimpleCPU scheduler side."""
+
+    def __init__(
+        self,
+        manager: Any,
+        partial_tail_finder: str,
+        grid: frozenset[int],
+        tail_boundary: Callable[[Any, int], int],
+        record: Callable[[dict[str, int]], None] | None = None,
+    ) -> None:
+        self.manager = manager
+        self._tail_boundary = tail_boundary
+        self._record = record
+        self.unit = manager.hash_block_size
+        self.grid = grid
+        self.declined_states = 0
+        self.declined_partial_tails = 0
+        # Declined states counted since the scheduler side's counters last started over (a CPU cache
+        # reset gives it a new counters object); the connector adds them to get_boundary_store_stats().
+        self._counters: Any = None
+        self._declined_since_reset = 0
+        # (request id, boundary) of the hand-offs the last step declined (the replay's loss split reads it).
+        self.declined_this_step: set[tuple[str, int]] = set()
+        # Bound on this scheduler side only (an instance attribute): the class stays the wheel's.
+        find = getattr(manager, partial_tail_finder)
+
+        def partial_tail(request: Any, block_ids: Any) -> Any:
+            found = find(request, block_ids)
+            if found is not None and self._declines(request, self._tail_boundary(request, self.unit)):
+                self.declined_partial_tails += 1
+                return None
+            return found
+
+        setattr(manager, partial_tail_finder, partial_tail)
+
+    def _declines(self, request: Any, boundary: int) -> bool:
+        """Whether the attention partial tail keyed at ``boundary`` stays off the tier."""
+        if boundary == getattr(request, "shared_prefix_boundary", 0):
+            return False
+        return any(boundary % size for size in self.grid)
+
+    def declined_since_reset(self) -> int:
+        """Hand-offs declined since the scheduler side's counters last started over."""
+        return self._declined_since_reset if self._counters is self.manager.boundary_store_stats else 0
+
+    def _count(self, declined: int) -> None:
+        self.declined_states += declined
+        counters = self.manager.boundary_store_stats
+        if counters is not self._counters:
+            self._counters, self._declined_since_reset = counters, 0
+        self._declined_since_reset += declined
+        if self._record is not None:
+            self._record({DECLINED: declined})
+
+    def filter_step(self, scheduler_output: Any) -> None:
+        """Remove this step's declined hand-offs from ``kv_connector_block_state`` (in place:
+        the SimpleCPU scheduler side reads them from there next)."""
+        self.declined_this_step = set()
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        handoffs = block_state.boundary_state_offloads if block_state is not None else None
+        if not handoffs:
+            return
+        tracked = self.manager._reqs_to_store
+        sizes = self.manager.group_block_sizes
+        unit = self.unit
+        for req_id, entries in handoffs.items():
+            state = tracked.get(req_id)
+            if state is None:
+                continue  # the scheduler side counts it as gone
+            request = state.request
+            tail_start = (request.num_prompt_tokens - 1) // unit * unit
+            divergence = getattr(request, "shared_prefix_boundary", 0)
+            kept = [
+                entry for entry in entries
+                if entry[2] % sizes[entry[0]] == 0 or entry[2] < tail_start or entry[2] == divergence
+            ]
+            if len(kept) < len(entries):
+                self._count(len(entries) - len(kept))
+                self.declined_this_step.update((req_id, e[2]) for e in entries if e not in kept)
+                handoffs[req_id] = kept
