@@ -12,6 +12,7 @@ off-grid reuse, and the attribution names the dropped boundary hand-offs.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -133,22 +134,25 @@ def test_stock_loses_off_grid_cpu_reuse_and_the_attribution_says_why(adapter, sm
         assert chat["c0-t1"]["loss"] == {Bucket.NO_MAMBA_STATE.value: 16, Bucket.HANDOFF_DROPPED.value: 288}
 
 
-# c0-t1 under ``cpu_tier_request_ends: skip`` (reused, from CPU, loss): c0's prompt-end state
-# (288, off the 64-token grid) never reached the CPU tier, and the loss split says so; 0.26-0.27
-# still have the state at the last whole block (256). c1's end (192) is on the grid: kept.
-SKIPPED_END = (0, 0, {"no_mamba_state": 16, "handoff_dropped": 288})
-SKIPPED_END_KEEPS_EVERY_BLOCK = (256, 256, {"no_mamba_state": 16, "handoff_dropped": 32})
+# The chat segment under ``cpu_tier_request_ends: skip``, c0-t2 after a GPU reset too, per request
+# (reused, from CPU, loss). c0's prompt ends (288, then 336: off the 64-token grid) never reached the
+# CPU tier, and the loss split says so. c0-t1's end was declined in the step where c1-t1's (192, on
+# the grid) was kept: the split follows each hand-off, not the step. 0.26-0.27 still have the states
+# at the last whole block (256, 320).
+SKIPPED_ENDS = {"c0-t1": (0, 0, {"no_mamba_state": 16, "handoff_dropped": 288}), "c1-t1": (192, 192, {}),
+                "c0-t2": (0, 0, {"handoff_dropped": 336})}
+SKIPPED_ENDS_KEEPS_EVERY_BLOCK = {"c0-t1": (256, 256, {"no_mamba_state": 16, "handoff_dropped": 32}),
+                                  "c1-t1": (192, 192, {}), "c0-t2": (320, 320, {"handoff_dropped": 16})}
 
 
-def test_skipped_request_ends_show_as_dropped_hand_offs(adapter, small_results):
-    skipped = small_results["plugin+skip-ends"]
-    assert_buckets_sum_to_the_loss(skipped)
-    chat = skipped.segments[0].per_request
-    row = chat["c0-t1"]
-    expected = SKIPPED_END_KEEPS_EVERY_BLOCK if adapter.version in KEEPS_EVERY_BLOCK else SKIPPED_END
-    assert (row["reused"], row["cpu"], {k: v for k, v in row["loss"].items() if v}) == expected
-    assert (chat["c1-t1"]["reused"], chat["c1-t1"]["cpu"]) == (192, 192)
-    assert small_results["plugin"].segments[0].per_request["c0-t1"]["reused"] == 288
+def test_skipped_request_ends_show_as_dropped_hand_offs(adapter):
+    chat = small_workload()[0]
+    requests = (*chat.requests[:-1], dataclasses.replace(chat.requests[-1], evict_gpu_before=True))
+    result = replay([dataclasses.replace(chat, requests=requests)], ReplaySettings(), CONFIGS["plugin+skip-ends"])
+    assert_buckets_sum_to_the_loss(result)
+    rows = result.segments[0].per_request
+    observed = {r: (rows[r]["reused"], rows[r]["cpu"], {k: v for k, v in rows[r]["loss"].items() if v}) for r in SKIPPED_ENDS}
+    assert observed == (SKIPPED_ENDS_KEEPS_EVERY_BLOCK if adapter.version in KEEPS_EVERY_BLOCK else SKIPPED_ENDS)
 
 
 def test_replay_is_deterministic(small_results):
