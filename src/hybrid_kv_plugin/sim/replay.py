@@ -579,7 +579,7 @@ class _SegmentRun:
         declined: Any = (),
     ) -> None:
         """``declined``: (request id, position) of hand-offs the connector's admission kept off the
-        CPU tier before its counters saw them (``cpu_tier_request_ends: skip``)."""
+        CPU tier (``cpu_tier_request_ends: skip``): each gets its own fate, not the step's."""
         growth = None if before is None or after is None else {k: after[k] - before[k] for k in STORE_FIELDS}
         fate = fate_of_step(growth)
         for rid, positions in handoffs.items():
