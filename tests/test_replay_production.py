@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -237,8 +238,9 @@ def test_replay_jobs_without_a_model_leave_no_temp_dir(tmp_path):
 
 
 def test_sigterm_stops_the_replay_children_and_leaves_no_temp_dir(tmp_path):
-    """``kill`` (a job's time limit) of a ``--jobs 2`` replay while both children replay: exit 143
-    at once, one line, no worker left running, nothing left in TMPDIR."""
+    """``kill`` (a job's time limit) of a ``--jobs 2`` replay while both children replay, and a
+    second one while it cleans up (``timeout`` passes on a kill sent to both): exit 143 at once,
+    one line, no worker left running, nothing left in TMPDIR."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     # Long enough (minutes) that both configurations are mid-run when the signal comes.
@@ -258,6 +260,8 @@ def test_sigterm_stops_the_replay_children_and_leaves_no_temp_dir(tmp_path):
         assert started == {"[1/2]", "[2/2]"}
         assert len(_processes_under(tmp)) >= 3  # this replay, its two workers (and multiprocessing's tracker)
         proc.terminate()
+        time.sleep(0.5)
+        proc.terminate()  # before the fix: killed by this one (-15) while cleaning up
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # orphaned workers still hold stderr open

@@ -166,7 +166,8 @@ def console_main(argv: Sequence[str] | None = None) -> int:
     from hybrid_kv_plugin.models.environment import private_temp_root
 
     try:
-        with private_temp_root(), _sigterm_exits():
+        # The handler outermost: a second SIGTERM while the temp root is removed is ignored too.
+        with _sigterm_exits(), private_temp_root():
             return main(argv)
     except SystemExit as stop:
         if isinstance(stop.code, str):  # a command's one-line refusal of bad input
@@ -196,12 +197,19 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 def _sigterm_exits() -> Iterator[None]:
     """SIGTERM (``kill``, a job's time limit) ends the command as Ctrl-C does: through the
     ``finally`` blocks that stop child processes and remove the temp root, which the default
-    action (die at once) would skip. Only the main thread may set a handler."""
+    action (die at once) would skip. Only the first SIGTERM counts: later ones (``timeout``
+    passing on a ``kill`` sent to both) are ignored until the process ends, also by an
+    in-process caller, which is being terminated. Only the main thread may set a handler."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    stopping = False
 
     def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if stopping:
+            return  # already on the way out
+        stopping = True
         print("hybrid-kv: terminated", file=sys.stderr)
         raise SystemExit(EXIT_TERMINATED)
 
@@ -209,7 +217,9 @@ def _sigterm_exits() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # Once terminated the process is on its way out (interpreter shutdown takes a while with
+        # vLLM loaded): a later SIGTERM must not turn exit 143 into death by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else previous)
 
 
 if __name__ == "__main__":
