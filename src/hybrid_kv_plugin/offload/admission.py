@@ -147,7 +147,8 @@ class RequestEndAdmission:
     def filter_step(self, scheduler_output: Any) -> None:
         """Remove this step's declined hand-offs from ``kv_connector_block_state`` (in place:
         the SimpleCPU scheduler side reads them from there next)."""
-        self.declined_this_step = set()
+        if self.declined_this_step:  # runs every step: no new set unless the last step declined some
+            self.declined_this_step = set()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
         if not handoffs:
