@@ -125,7 +125,7 @@ def test_bench_command_refuses_unknown_configs(capsys):
         "stock+retain-4units, stock+retain-block, stock+retain-2blocks, stock+retain-4blocks, stock+shared-prefix, "
         "plugin, plugin+junction, plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+hybrid-tier, plugin+divergence, plugin+divergence+hybrid-tier, "
         "plugin+divergence+output-checkpoint+hybrid-tier, plugin+skip-ends, plugin+divergence+skip-ends, "
-        "plugin+divergence+hybrid-tier+skip-ends\n"
+        "plugin+divergence+hybrid-tier+skip-ends, plugin+store-ends\n"
     )
     assert console_main(["bench", "--requests", "0", "--repeats", "1", "--configs", "stock,stock"]) == 2
     assert capsys.readouterr().err == "hybrid-kv: --configs 'stock,stock': each configuration at most once\n"

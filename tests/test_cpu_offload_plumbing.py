@@ -211,7 +211,9 @@ def test_every_outcome_counted_and_exported(plugin, adapter, feature):
 
 
 def test_cpu_full_drops_the_handoff(plugin, adapter, feature):
-    run = offload_engine(adapter, extra={"cpu_bytes_to_use": 1024})  # one CPU block: the null block
+    # One CPU block: the null block. Ends stored (auto, the default, would decline the one at 336:
+    # a tier with no free block has started evicting).
+    run = offload_engine(adapter, extra={"cpu_bytes_to_use": 1024, "cpu_tier_request_ends": "store"})
     assert run.engine.offload_manager.cpu_block_pool.get_num_free_blocks() == 0
     run.request(tokens(336), max_tokens=4)
     stats = run.engine.connector.get_boundary_store_stats()

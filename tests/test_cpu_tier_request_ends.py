@@ -1,12 +1,13 @@
-"""``cpu_tier_request_ends: "skip"``: the CPU tier declines request-end states off the Mamba grid
-(offload/admission.py).
+"""``cpu_tier_request_ends: "skip"`` / ``"auto"``: the CPU tier declines request-end states off the
+Mamba grid, always / from its first eviction on (offload/admission.py).
 
 Real scheduler, KV-cache manager and ``HybridSimpleCPUConnector`` of the installed wheel
 (0.26-0.29 run the plugin's backport, 0.30+ the wheel's own SimpleCPU scheduler: the same
 numbers everywhere). Attention block 32, Mamba block 64, unit 16: a 344-token prompt ends at
 the unit boundary 336, inside attention block 10 and off the Mamba grid, so its request-end
 state is one Mamba state (336) and one attention partial tail (the block keyed at 336). Each
-case measures both values of the option: what skipping costs and what it saves.
+case measures every value of the option: what skipping costs, what it saves, and that ``auto``
+pays the cost only once the tier is full.
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ def _next_turn(adapter, ends: str, prompt_tokens: int) -> tuple[int, int, tuple[
 def test_next_turn_resumes_below_a_skipped_end(plugin, adapter):
     """The cost: A's end state at 336 (a Mamba state and the attention block keyed there) stays
     off the tier, so from the CPU tier alone A's next turn resumes at 320, the last Mamba block
-    end, instead of 336. Both turns decline their own end (2 states, 2 partial tails)."""
+    end, instead of 336. Both turns decline their own end (2 states, 2 partial tails). ``auto``
+    stores them: the tier (13 of 79 blocks used) has never evicted."""
     assert _next_turn(adapter, "store", 344) == (336, 13, None)
     assert _next_turn(adapter, "skip", 344) == (320, 11, (2, 2))
+    assert _next_turn(adapter, "auto", 344) == (336, 13, (0, 0))
 
 
 @pytest.mark.both_schedulers
@@ -125,9 +128,12 @@ def _shared_prefix_after(adapter, ends: str, requests: int) -> tuple[int, int, t
 def test_request_ends_push_out_a_shared_prefix(plugin, adapter):
     """The saving: stored, 40 request ends (2 blocks each) fill the 79-block tier and LRU evicts S,
     which every request reused from the GPU cache; the last prompt on S gets nothing from the tier.
-    Skipped, the tier holds S (10 attention blocks and the state at 320) and it resumes at 320."""
+    Skipped, the tier holds S (10 attention blocks and the state at 320) and it resumes at 320.
+    ``auto`` stores the first 34 ends (11 + 34 * 2 = 79 blocks: the tier is full without evicting
+    anything) and declines the other 7 with their partial tails: S stays, 320 from a full tier."""
     assert _shared_prefix_after(adapter, "store", 40) == (0, 79, None)
     assert _shared_prefix_after(adapter, "skip", 40) == (320, 11, (41, 41))
+    assert _shared_prefix_after(adapter, "auto", 40) == (320, 79, (7, 7))
 
 
 DIVERGENCE = {"hybrid_kv": {"mamba_divergence_checkpoint": True}}
@@ -159,21 +165,42 @@ def test_a_divergence_point_at_the_prompt_end_is_stored(plugin, adapter):
         return
     assert _branch_at_the_end(adapter, "store") == (336, 0, 336, None)
     assert _branch_at_the_end(adapter, "skip") == (336, 0, 336, (1, 1))
+    assert _branch_at_the_end(adapter, "auto") == (336, 0, 336, (0, 0))
 
 
 def test_skip_with_fine_grained_hits_off(plugin, adapter):
     """``fine_grained_hits: false`` runs the stock SimpleCPU scheduler up to 0.29 (it consumes no
-    Mamba hand-offs): the option is refused there, naming store. From 0.30 the wheel's own
-    scheduler is the fine-grained one and the admission attaches."""
+    Mamba hand-offs): ``skip`` is refused there, naming store; ``auto`` attaches nothing. From
+    0.30 the wheel's own scheduler is the fine-grained one and the admission attaches."""
     if adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support is Support.NATIVE:
         assert Tier(adapter, "skip", fine_grained_hits=False).declined() == (0, 0)
+        assert Tier(adapter, "auto", fine_grained_hits=False).declined() == (0, 0)
         return
     with pytest.raises(PluginConfigError, match=REFUSED + r".*\(allowed here: store\)"):
         Tier(adapter, "skip", fine_grained_hits=False)
+    assert Tier(adapter, "auto", fine_grained_hits=False).declined() is None
+
+
+def test_auto_is_the_default(plugin, adapter):
+    """Without the key the admission runs ``auto``; with ``fine_grained_hits: false`` up to 0.29
+    (the stock SimpleCPU scheduler) it attaches nothing."""
+    engine = SimEngine(
+        FA32, adapter=adapter, kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": TIER_BYTES}
+    )
+    admission = engine.connector.request_end_admission
+    assert (admission.only_when_full, admission.tier_has_room()) == (True, True)
+    coarse = SimEngine(
+        FA32,
+        adapter=adapter,
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_extra_config={"cpu_bytes_to_use": TIER_BYTES, "fine_grained_hits": False},
+    )
+    native = adapter.verdict(Feature.FINE_GRAINED_CPU_HITS).support is Support.NATIVE
+    assert (coarse.connector.request_end_admission is not None) is native
 
 
 def test_bad_value_names_key_and_values(plugin, adapter):
-    with pytest.raises(PluginConfigError, match=r"cpu_tier_request_ends: .*allowed: store or skip"):
+    with pytest.raises(PluginConfigError, match=r"cpu_tier_request_ends: .*allowed: auto, store or skip"):
         Tier(adapter, "drop")
 
 

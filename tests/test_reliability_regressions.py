@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from soak.harness import DRAIN_LIMIT, soak, variants
@@ -186,7 +188,10 @@ def test_same_step_copy_chain_reads_the_bytes_it_means(plugin, adapter, monkeypa
     from hybrid_kv_plugin.patches import same_step_copy_chains
 
     steps, zeroed_reads = COPY_CHAIN_RUNS[adapter.version]
-    variant = _variant(adapter, "plugin-fa32")
+    # The table is this run's with every request end stored (the default until cpu_tier_request_ends
+    # auto): once the tier fills, auto declines ends and the chain lands on other steps and blocks.
+    base = _variant(adapter, "plugin-fa32")
+    variant = dataclasses.replace(base, extra=(*base.extra, ("cpu_tier_request_ends", "store")))
     counts, _, violations = soak(adapter, variant, steps, seed=0)
     assert violations == []
     assert counts.byte_violations == 0

@@ -265,7 +265,7 @@ def test_replay_command_rejects_bad_input(tmp_path, capsys):
         "stock+retain-block, stock+retain-2blocks, stock+retain-4blocks, stock+shared-prefix, plugin, plugin+junction, "
         "plugin+tail-replay, plugin+tail-both, plugin+output-checkpoint, plugin+hybrid-tier, plugin+divergence, plugin+divergence+hybrid-tier, "
         "plugin+divergence+output-checkpoint+hybrid-tier, plugin+skip-ends, plugin+divergence+skip-ends, "
-        "plugin+divergence+hybrid-tier+skip-ends\n"
+        "plugin+divergence+hybrid-tier+skip-ends, plugin+store-ends\n"
     )
 
 

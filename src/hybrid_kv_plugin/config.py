@@ -90,13 +90,15 @@ class ConnectorOptions(BaseModel):
         "evicted first (needs the fine-grained hybrid connector, vLLM 0.29+). "
         "See hybrid_kv_plugin.offload.eviction.",
     )
-    cpu_tier_request_ends: Literal["store", "skip"] = Field(
-        default="store",
+    cpu_tier_request_ends: Literal["auto", "store", "skip"] = Field(
+        default="auto",
         description="Whether the CPU tier takes a request's own end state when it lies off the Mamba block "
         "grid (the prompt's last unit boundary, the newest kept answer state, and the attention block holding "
-        "it): store = yes; skip = no, it serves only the same conversation's next turn and a tier that turns "
-        "over faster than conversations continue loses other requests' KV to it (the GPU cache still keeps "
-        "it; needs the fine-grained hybrid connector, vLLM 0.29+). See hybrid_kv_plugin.offload.admission.",
+        "it); it serves only the same conversation's next turn, and a tier that turns over faster than "
+        "conversations continue loses other requests' KV to it (the GPU cache keeps it either way). "
+        "auto = store until the tier first evicts, skip from then on; store = always; skip = never "
+        "(skip needs the fine-grained hybrid connector, vLLM 0.29+; auto does nothing without it). "
+        "See hybrid_kv_plugin.offload.admission.",
     )
 
 

@@ -109,6 +109,9 @@ def variants(adapter: Any) -> list[Variant]:
         # The CPU tier declines request ends off the Mamba grid (states and attention partial tails).
         *(
             [Variant("plugin-skip-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "skip"),),
+                     attention_block_size=32),
+             # Stores request ends until the tier first evicts, declines them from then on.
+             Variant("plugin-auto-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "auto"),),
                      attention_block_size=32)]
             if not opt_out
             else []

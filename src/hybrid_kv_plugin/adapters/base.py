@@ -105,7 +105,8 @@ class VllmAdapter:
     # vllm/v1/simple_kv_offload/metrics.py exports the store outcomes to Prometheus (0.31+).
     has_native_simplecpu_metrics: ClassVar[bool] = False
     # The SimpleCPU scheduler side's method that picks a finished request's attention partial
-    # tail (request, block_ids) -> block or None: the backport's up to 0.29, the wheel's from 0.30.
+    # tail (request, block_ids) -> block or None, wrapped by cpu_tier_request_ends on 0.30+ (the
+    # backport up to 0.29 offers its own hook, partial_tail_filter).
     simplecpu_partial_tail_finder: ClassVar[str] = "_attention_partial_tail"
     # The engine core asks workers for the aligned CPU block count only when a connector
     # *named* SimpleCPUOffloadConnector is configured (0.33+, v1/engine/core.py).

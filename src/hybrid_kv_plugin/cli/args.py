@@ -14,7 +14,7 @@ CONFIG_NAMES = (
     "plugin", "plugin+junction", "plugin+tail-replay", "plugin+tail-both", "plugin+output-checkpoint",
     "plugin+hybrid-tier", "plugin+divergence", "plugin+divergence+hybrid-tier",
     "plugin+divergence+output-checkpoint+hybrid-tier", "plugin+skip-ends", "plugin+divergence+skip-ends",
-    "plugin+divergence+hybrid-tier+skip-ends",
+    "plugin+divergence+hybrid-tier+skip-ends", "plugin+store-ends",
 )
 # Stock at its best, in every default run: its retention knob at 0, the unit and the Mamba
 # block, and its native shared-prefix checkpoint (a row vLLM refuses costs no run).

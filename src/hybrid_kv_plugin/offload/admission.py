@@ -1,4 +1,4 @@
-"""Which request-end states the CPU tier takes (``cpu_tier_request_ends: "skip"``).
+"""Which request-end states the CPU tier takes (``cpu_tier_request_ends``: auto, store, skip).
 
 A request hands the CPU tier, besides its attention blocks and the Mamba states at
 chunk ends, the Mamba state at its own end: the prompt's last prefix-match unit
@@ -8,11 +8,13 @@ tail"). Off the Mamba block grid, that state serves one later request only: the 
 turn of the same conversation (an exact replay, or a continuation through the answer).
 On a tier that turns over faster than conversations continue, storing it evicts
 attention KV and states that other requests would have reused. Replays of the Mooncake
-traces (Qwen3-Next, unit 16, 40 GiB GPU, vLLM 0.33) with ``mamba_divergence_checkpoint``:
-160 GiB tier, conversation 0.591 -> 0.633 of the ideal, synthetic 0.599 -> 0.657;
-480 GiB, 0.934 -> 0.949 and 0.923 -> 0.946. It loses where the tier never fills (the
-first 300 conversation requests: 0.617 -> 0.613), so it is a switch, default ``store``
-(docs/features.md).
+traces (Qwen3-Next, unit 16, 40 GiB GPU, vLLM 0.33), ``store`` -> ``skip``: 160 GiB tier,
+conversation 0.522 -> 0.581 of the ideal, synthetic 0.597 -> 0.651; with
+``mamba_divergence_checkpoint`` at 480 GiB, 0.934 -> 0.949 and 0.923 -> 0.946. ``skip``
+loses where the tier never fills (the first 300 conversation requests: 0.617 -> 0.613).
+The default, ``auto``, takes them while the tier still has never-used blocks and declines
+them once a store would evict: 0.617 there, 0.577 and 0.649 at 160 GiB (docs/features.md).
+With the stock SimpleCPU scheduler (``fine_grained_hits: false`` up to 0.29) it does nothing.
 
 :class:`RequestEndAdmission` sits in front of the connector's SimpleCPU scheduler side
 (the wheel's own on 0.30+, the backport up to 0.29) and only removes candidates before
@@ -26,6 +28,8 @@ Invariants:
   which other requests share by construction);
 - the attention partial tail is declined iff its boundary is off the Mamba grid and not
   the divergence point (a partial tail whose Mamba state the tier keeps is still stored);
+- with ``auto`` nothing is declined while the block at the head of the CPU pool's free queue (the
+  next one a store takes) has never held a copy: a store then evicts nothing;
 - states on the Mamba grid, chunk ends inside the prompt and divergence states are
   passed through unchanged; the GPU prefix cache keeps every declined state as before;
 - each declined state is counted once, as the outcome ``declined_request_end`` of the
@@ -35,21 +39,24 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.offload.stats import StoreOutcome
 
 # The choices of ``kv_connector_extra_config.cpu_tier_request_ends``.
 STORE = "store"
 SKIP = "skip"
+AUTO = "auto"
 DECLINED = StoreOutcome.DECLINED_REQUEST_END.value
 
 
 def check_cpu_tier_request_ends(value: str, mode: Any, adapter: Any) -> None:
-    """Refuse ``skip`` where the connector runs the wheel's stock SimpleCPU scheduler (it
-    consumes no Mamba hand-offs, so there is nothing to decline)."""
+    """Refuse ``skip`` where the connector runs the wheel's stock SimpleCPU scheduler (it consumes
+    no Mamba hand-offs, so there is nothing to decline); ``auto`` does nothing there."""
     from hybrid_kv_plugin.offload.mode import OffloadMode
 
     if value == SKIP and mode is OffloadMode.STOCK:
@@ -72,21 +79,33 @@ def attach_request_end_admission(
     connector: Any, kv_cache_config: Any, tail_boundary: Callable[[Any, int], int]
 ) -> RequestEndAdmission | None:
     """The admission ``connector``'s options ask for, on its scheduler side (None: store everything,
-    the worker side, or a model without Mamba groups). ``tail_boundary(request, unit)``: where the
-    scheduler side keys a finished request's attention partial tail."""
-    if connector.hybrid_kv_options.cpu_tier_request_ends != SKIP:
+    the worker side, the stock SimpleCPU scheduler, or a model without Mamba groups).
+    ``tail_boundary(request, unit)``: where the scheduler side keys a finished request's attention
+    partial tail."""
+    from hybrid_kv_plugin.offload.mode import OffloadMode
+
+    ends = connector.hybrid_kv_options.cpu_tier_request_ends
+    if ends == STORE or connector.offload_mode is OffloadMode.STOCK:
         return None
     manager = getattr(connector, "scheduler_manager", None)
     grid = mamba_block_sizes(kv_cache_config)
     if manager is None or not grid:
         return None
-    from hybrid_kv_plugin.offload.mode import OffloadMode
 
+    if ends == AUTO and not hasattr(getattr(manager.cpu_block_pool, "free_block_queue", None), "fake_free_list_head"):
+        # auto reads which block a store takes next; without that the tier takes every end (store).
+        log_once(
+            logging.WARNING,
+            "hybrid-kv-plugin: cpu_tier_request_ends auto acts as store: vLLM %s's CPU pool has no free "
+            "queue head to read (skip still works)",
+            connector.hybrid_kv_adapter.version,
+        )
+        return None
     # The backport counts declines with its own outcomes (and their metrics growth); on 0.30+
     # the connector adds them to the wheel's counters when asked.
     record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
     finder = connector.hybrid_kv_adapter.simplecpu_partial_tail_finder
-    return RequestEndAdmission(manager, finder, grid, tail_boundary, record)
+    return RequestEndAdmission(manager, finder, grid, tail_boundary, record, only_when_full=ends == AUTO)
 
 
 class RequestEndAdmission:
@@ -99,8 +118,11 @@ class RequestEndAdmission:
         grid: frozenset[int],
         tail_boundary: Callable[[Any, int], int],
         record: Callable[[dict[str, int]], None] | None = None,
+        only_when_full: bool = False,
     ) -> None:
         self.manager = manager
+        # ``auto``: decline only once a store would evict (see tier_has_room).
+        self.only_when_full = only_when_full
         self._tail_boundary = tail_boundary
         self._record = record
         self.unit = manager.hash_block_size
@@ -113,17 +135,35 @@ class RequestEndAdmission:
         self._declined_since_reset = 0
         # (request id, boundary) of the hand-offs the last step declined (the replay's loss split reads it).
         self.declined_this_step: set[tuple[str, int]] = set()
-        # Bound on this scheduler side only (an instance attribute): the class stays the wheel's.
-        find = getattr(manager, partial_tail_finder)
+        if hasattr(manager, "partial_tail_filter"):
+            # The backport's own hook, a slot (an instance attribute added later would move its
+            # attributes out of inline storage for every step).
+            manager.partial_tail_filter = self._filter_partial_tail
+        else:
+            # The wheel's scheduler (0.30+): bound on this instance only, the class stays the wheel's.
+            find = getattr(manager, partial_tail_finder)
 
-        def partial_tail(request: Any, block_ids: Any) -> Any:
-            found = find(request, block_ids)
-            if found is not None and self._declines(request, self._tail_boundary(request, self.unit)):
-                self.declined_partial_tails += 1
-                return None
-            return found
+            def partial_tail(request: Any, block_ids: Any) -> Any:
+                found = find(request, block_ids)
+                return None if found is None else self._filter_partial_tail(request, found)
 
-        setattr(manager, partial_tail_finder, partial_tail)
+            setattr(manager, partial_tail_finder, partial_tail)
+
+    def _filter_partial_tail(self, request: Any, tail: Any) -> Any:
+        """``tail`` unless the admission declines the partial tail of ``request`` (then None)."""
+        if not self.tier_has_room() and self._declines(request, self._tail_boundary(request, self.unit)):
+            self.declined_partial_tails += 1
+            return None
+        return tail
+
+    def tier_has_room(self) -> bool:
+        """With ``auto``: whether the next block a store takes from the CPU pool has never held a
+        copy. The pool hands out never-used blocks first (they start at the head of its free queue
+        and a freed block joins the tail), so this stays true until the tier first evicts."""
+        if not self.only_when_full:
+            return False
+        head = self.manager.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
+        return head is not None and head.block_id >= 0 and head.block_hash is None
 
     def _declines(self, request: Any, boundary: int) -> bool:
         """Whether the attention partial tail keyed at ``boundary`` stays off the tier."""
@@ -151,7 +191,7 @@ class RequestEndAdmission:
             self.declined_this_step = set()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
-        if not handoffs:
+        if not handoffs or self.tier_has_room():
             return
         tracked = self.manager._reqs_to_store
         sizes = self.manager.group_block_sizes

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
@@ -150,6 +150,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         "boundary_store_stats",
         "unreported_outcomes",
         "_handoff_keys",
+        "partial_tail_filter",
     )
 
     # ------------------------------------------------------------------ construction
@@ -210,6 +211,9 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         self.unreported_outcomes: dict[str, int] = {}
         # {key: GPU block} of hand-offs staged; a copy is in flight while its block is.
         self._handoff_keys: dict[Any, int] = {}
+        # (request, tail block) -> the block or None: set by the connector's request-end admission
+        # (offload/admission.py).
+        self.partial_tail_filter: Callable[[Any, KVCacheBlock], KVCacheBlock | None] | None = None
 
     def _lazy_watermark(self) -> int:
         """GPU blocks the lazy cursor keeps offloaded ahead of eviction, from the resolved group sizes."""
@@ -548,6 +552,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         # A scratch copy of the cursors: the request is leaving, its state is not advanced.
         self._scan_confirmed(state.request, block_ids, list(state.num_stored_blocks), batch)
         tail = self._attention_partial_tail(request, block_ids)
+        if tail is not None and self.partial_tail_filter is not None:
+            tail = self.partial_tail_filter(request, tail)
         # Decode may have filled the tail block, in which case the scan above already
         # staged it (and marked it in flight): never copy one GPU block twice.
         if tail is not None and tail.block_id not in batch.gpu_block_ids and not batch.full:

@@ -54,7 +54,7 @@ class ReplayConfig:
     # ``kv_connector_extra_config.cpu_tier_eviction`` (plugin only; offload/eviction.py).
     cpu_tier_eviction: str = "lru"
     # ``kv_connector_extra_config.cpu_tier_request_ends`` (plugin only; offload/admission.py).
-    cpu_tier_request_ends: str = "store"
+    cpu_tier_request_ends: str = "auto"
 
     @property
     def connector(self) -> str:
@@ -87,7 +87,7 @@ class ReplayConfig:
         options: dict[str, Any] = {}
         if self.cpu_tier_eviction != "lru":
             options["cpu_tier_eviction"] = self.cpu_tier_eviction
-        if self.cpu_tier_request_ends != "store":
+        if self.cpu_tier_request_ends != "auto":
             options["cpu_tier_request_ends"] = self.cpu_tier_request_ends
         return options
 
@@ -161,4 +161,5 @@ CONFIGS = {
         "plugin+divergence+hybrid-tier+skip-ends", plugin=True, mamba_divergence_checkpoint=True,
         cpu_tier_eviction="hybrid", cpu_tier_request_ends="skip",
     ),
+    "plugin+store-ends": ReplayConfig("plugin+store-ends", plugin=True, cpu_tier_request_ends="store"),
 }
