@@ -109,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                in_flight.add(block_id)\n",
         "",
         # The store scan's inline staging: a store completing late meets the block again, the
-        # "stored twice" invariant.
+        # "stored twice" invariant (plugin-fa32 stores every request end).
         (
             "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin-fa32]",
             "tests/test_reliability_statemachine.py::test_randomized_faults_keep_invariants[plugin]",

@@ -82,7 +82,8 @@ def variants(adapter: Any) -> list[Variant]:
         Variant("stock", STOCK_CONNECTOR_NAME),
         Variant("plugin", CONNECTOR_NAME, opt_out),
         Variant("plugin-lazy", CONNECTOR_NAME, (*opt_out, ("lazy_offload", True))),
-        Variant("plugin-fa32", CONNECTOR_NAME, opt_out, attention_block_size=32),
+        # Every request end stored (the default before auto; plugin-auto-ends-fa32 runs auto here).
+        Variant("plugin-fa32", CONNECTOR_NAME, (*opt_out, ("cpu_tier_request_ends", "store")), attention_block_size=32),
         Variant("passthrough-full-attention", CONNECTOR_NAME, opt_out, full_attention_only=True),
         *(
             [Variant("plugin-tail-both", CONNECTOR_NAME, opt_out, plugin_options=(("prompt_tail_checkpoint", "both"),))]
@@ -110,7 +111,7 @@ def variants(adapter: Any) -> list[Variant]:
         *(
             [Variant("plugin-skip-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "skip"),),
                      attention_block_size=32),
-             # Stores request ends until the tier first evicts, declines them from then on.
+             # Stores request ends until the tier first evicts, declines them from then on (the default).
              Variant("plugin-auto-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "auto"),),
                      attention_block_size=32)]
             if not opt_out
