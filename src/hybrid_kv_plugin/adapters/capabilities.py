@@ -59,7 +59,7 @@ FEATURES: tuple[FeatureRow, ...] = (
         _TITLES[Feature.FINE_GRAINED_CPU_HITS],
         '--kv-transfer-config \'{"kv_connector": "HybridSimpleCPUConnector", ...}\' '
         "(kv_connector_extra_config.fine_grained_hits, default true; cpu_tier_eviction lru/hybrid, default lru; "
-        "cpu_tier_request_ends store/skip/auto, default store)",
+        "cpu_tier_request_ends auto/store/skip, default auto)",
         Feature.FINE_GRAINED_CPU_HITS,
     ),
     FeatureRow(
