@@ -442,7 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "request-ends-admission-stores-partial-tails",
         "offload/admission.py",
-        "if not self.tier_has_room() and self._declines(request, self._tail_boundary(",
+        "if not self.takes_request_ends() and self._declines(request, self._tail_boundary(",
         "if False and self._declines(request, self._tail_boundary(",
         # The attention partial tails of request ends still fill the CPU tier.
         ("tests/test_cpu_tier_request_ends.py::test_request_ends_push_out_a_shared_prefix",),

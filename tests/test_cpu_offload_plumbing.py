@@ -230,7 +230,7 @@ def test_stock_modes_report_zero_stats(plugin, adapter):
     connector = run.engine.connector
     stats = connector.get_boundary_store_stats().as_dict()
     if _support(adapter) is Support.NATIVE:  # opting out cannot switch a native wheel off: vLLM's own counters
-        # (plus the plugin's own outcome, 0 without cpu_tier_request_ends: skip)
+        # (plus the plugin's own outcome, declined_request_end: 0, this run's tier never fills)
         native = dataclasses.asdict(connector.scheduler_manager.get_boundary_store_stats())
         assert stats == {**native, "declined_request_end": 0}
     else:

@@ -188,7 +188,7 @@ def test_auto_is_the_default(plugin, adapter):
         FA32, adapter=adapter, kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": TIER_BYTES}
     )
     admission = engine.connector.request_end_admission
-    assert (admission.only_when_full, admission.tier_has_room()) == (True, True)
+    assert (admission.only_when_full, admission.takes_request_ends()) == (True, True)
     coarse = SimEngine(
         FA32,
         adapter=adapter,

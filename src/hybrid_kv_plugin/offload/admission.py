@@ -121,7 +121,7 @@ class RequestEndAdmission:
         only_when_full: bool = False,
     ) -> None:
         self.manager = manager
-        # ``auto``: decline only once a store would evict (see tier_has_room).
+        # ``auto``: decline only once a store would evict (see takes_request_ends).
         self.only_when_full = only_when_full
         self._tail_boundary = tail_boundary
         self._record = record
@@ -151,15 +151,16 @@ class RequestEndAdmission:
 
     def _filter_partial_tail(self, request: Any, tail: Any) -> Any:
         """``tail`` unless the admission declines the partial tail of ``request`` (then None)."""
-        if not self.tier_has_room() and self._declines(request, self._tail_boundary(request, self.unit)):
+        if not self.takes_request_ends() and self._declines(request, self._tail_boundary(request, self.unit)):
             self.declined_partial_tails += 1
             return None
         return tail
 
-    def tier_has_room(self) -> bool:
-        """With ``auto``: whether the next block a store takes from the CPU pool has never held a
-        copy. The pool hands out never-used blocks first (they start at the head of its free queue
-        and a freed block joins the tail), so this stays true until the tier first evicts."""
+    def takes_request_ends(self) -> bool:
+        """Whether the tier takes request ends now: never with ``skip``; with ``auto`` while the next
+        block a store takes from the CPU pool has never held a copy. The pool hands out never-used
+        blocks first (they start at the head of its free queue and a freed block joins the tail),
+        so with ``auto`` this stays true until the tier first evicts."""
         if not self.only_when_full:
             return False
         head = self.manager.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
@@ -191,7 +192,7 @@ class RequestEndAdmission:
             self.declined_this_step = set()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         handoffs = block_state.boundary_state_offloads if block_state is not None else None
-        if not handoffs or self.tier_has_room():
+        if not handoffs or self.takes_request_ends():
             return
         tracked = self.manager._reqs_to_store
         sizes = self.manager.group_block_sizes
