@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -46,6 +47,24 @@ def leftover_temp_entries() -> list[str]:
 
 # pytest can stop before any session (a usage error): the private root still goes at exit.
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
+_SESSION_PID = os.getpid()
+
+
+def _interrupt_on_sigterm(signum, frame):
+    """A stopped run (CI's timeout, a `kill`) ends like Ctrl-C: fixtures torn down, the root removed.
+
+    Without it SIGTERM kills the process outright and neither atexit nor sessionfinish runs. A
+    process forked from this one (a probe, an engine core) gets the default action instead.
+    """
+    if os.getpid() != _SESSION_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
 def pytest_sessionfinish(session, exitstatus):
