@@ -451,7 +451,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "request-ends-auto-declines-while-the-tier-has-room",
         "offload/admission.py",
-        "return head is not None and head.block_id >= 0 and head.block_hash is None",
+        "return head is not None and head.block_hash is None",
         "return False",
         # ``auto`` behaves as skip: a next turn on a tier that never filled loses its end state.
         ("tests/test_cpu_tier_request_ends.py::test_next_turn_resumes_below_a_skipped_end",),
@@ -460,8 +460,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "request-ends-auto-stores-on-a-full-tier",
         "offload/admission.py",
-        "head.block_id >= 0 and head.block_hash is None",
-        "head.block_id >= 0",
+        "return head is not None and head.block_hash is None",
+        "return head is not None",
         # ``auto`` behaves as store once the tier is full: request ends push out the shared prefix.
         ("tests/test_cpu_tier_request_ends.py::test_request_ends_push_out_a_shared_prefix",),
         ("0.29.0", "0.33.0"),

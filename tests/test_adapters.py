@@ -94,3 +94,21 @@ def test_doctor_rows_give_each_feature_one_name():
     assert sorted(r.verdict_of.value for r in FEATURES if r.verdict_of) == sorted(f.value for f in Feature)
     assert len(FEATURE_KEYS) == len(FEATURES) == 7
     assert PATCH_TAGS == FEATURE_KEYS | {"vllm_fix", "plugin_config"}
+
+
+def test_next_free_block_reads_a_real_pool_without_taking(adapter):
+    """``auto`` request-end admission reads the block a CPU pool hands out next: never-used blocks
+    in id order (block 0 is the null block), None once nothing is free."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16)
+    assert adapter.reads_next_free_block(pool)
+    assert adapter.next_free_block(pool).block_id == 1
+    assert adapter.next_free_block(pool).block_id == 1  # reading takes nothing
+    first, second = pool.get_new_blocks(2)
+    assert (first.block_id, second.block_id, adapter.next_free_block(pool).block_id) == (1, 2, 3)
+    [third] = pool.get_new_blocks(1)
+    assert (third.block_id, pool.get_num_free_blocks(), adapter.next_free_block(pool)) == (3, 0, None)
+    pool.free_blocks([second])
+    assert adapter.next_free_block(pool) is second
+    assert not adapter.reads_next_free_block(object())

@@ -230,6 +230,20 @@ class VllmAdapter:
         scheduler_manager._free_pending_cpu_hit(pending)
         return True
 
+    def reads_next_free_block(self, block_pool: Any) -> bool:
+        """Whether ``next_free_block`` can answer for this pool: its free queue keeps a sentinel
+        head (every wheel 0.26-0.33 does)."""
+        return hasattr(getattr(block_pool, "free_block_queue", None), "fake_free_list_head")
+
+    def next_free_block(self, block_pool: Any) -> Any:
+        """The block ``block_pool`` hands out next, without taking it (None: no free block).
+
+        Never-used blocks start at the head of the free queue and a freed block holding a cached
+        copy joins its tail, so the head holds no cached copy until the pool first evicts one. The
+        queue's sentinels have block id -1."""
+        head = block_pool.free_block_queue.fake_free_list_head.next_free_block
+        return None if head is None or head.block_id < 0 else head
+
     # ------------------------------------------------------------------ SimpleCPU offload geometry
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         """Physical block size of each KV-cache group, as the coordinator's managers resolved it.

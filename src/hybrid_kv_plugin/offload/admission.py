@@ -92,20 +92,21 @@ def attach_request_end_admission(
     if manager is None or not grid:
         return None
 
-    if ends == AUTO and not hasattr(getattr(manager.cpu_block_pool, "free_block_queue", None), "fake_free_list_head"):
+    adapter = connector.hybrid_kv_adapter
+    if ends == AUTO and not adapter.reads_next_free_block(manager.cpu_block_pool):
         # auto reads which block a store takes next; without that the tier takes every end (store).
         log_once(
             logging.WARNING,
             "hybrid-kv-plugin: cpu_tier_request_ends auto acts as store: vLLM %s's CPU pool has no free "
             "queue head to read (skip still works)",
-            connector.hybrid_kv_adapter.version,
+            adapter.version,
         )
         return None
     # The backport counts declines with its own outcomes (and their metrics growth); on 0.30+
     # the connector adds them to the wheel's counters when asked.
     record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
-    finder = connector.hybrid_kv_adapter.simplecpu_partial_tail_finder
-    return RequestEndAdmission(manager, finder, grid, tail_boundary, record, only_when_full=ends == AUTO)
+    next_free_block = adapter.next_free_block if ends == AUTO else None
+    return RequestEndAdmission(manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block)
 
 
 class RequestEndAdmission:
@@ -118,11 +119,13 @@ class RequestEndAdmission:
         grid: frozenset[int],
         tail_boundary: Callable[[Any, int], int],
         record: Callable[[dict[str, int]], None] | None = None,
-        only_when_full: bool = False,
+        next_free_block: Callable[[Any], Any] | None = None,
     ) -> None:
         self.manager = manager
-        # ``auto``: decline only once a store would evict (see takes_request_ends).
-        self.only_when_full = only_when_full
+        # ``auto``: decline only once a store would evict (see takes_request_ends); the adapter's
+        # reader of the block a pool hands out next. None: ``skip``, decline always.
+        self._next_free_block = next_free_block
+        self.only_when_full = next_free_block is not None
         self._tail_boundary = tail_boundary
         self._record = record
         self.unit = manager.hash_block_size
@@ -158,13 +161,13 @@ class RequestEndAdmission:
 
     def takes_request_ends(self) -> bool:
         """Whether the tier takes request ends now: never with ``skip``; with ``auto`` while the next
-        block a store takes from the CPU pool has never held a copy. The pool hands out never-used
-        blocks first (they start at the head of its free queue and a freed block joins the tail),
-        so with ``auto`` this stays true until the tier first evicts."""
-        if not self.only_when_full:
+        block a store takes from the CPU pool holds no cached copy (a store evicts nothing). The
+        pool hands out such blocks before cached ones (adapter ``next_free_block``), so with
+        ``auto`` this stays true until the tier first evicts."""
+        if self._next_free_block is None:
             return False
-        head = self.manager.cpu_block_pool.free_block_queue.fake_free_list_head.next_free_block
-        return head is not None and head.block_id >= 0 and head.block_hash is None
+        head = self._next_free_block(self.manager.cpu_block_pool)
+        return head is not None and head.block_hash is None
 
     def _declines(self, request: Any, boundary: int) -> bool:
         """Whether the attention partial tail keyed at ``boundary`` stays off the tier."""
