@@ -404,6 +404,33 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
+        "cpu-tier-demotes-whatever-it-costs",
+        "offload/eviction.py",
+        "            if self.ghosts.demotion_pays():\n",
+        "            if True:\n",
+        # The hybrid order keeps its demotion bet on a prefix tree that branches at chunk ends.
+        ("tests/test_cpu_tier_eviction.py::test_demotion_stops_while_it_costs_more_than_lru",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "cpu-tier-what-if-lookup-revives-nothing",
+        "offload/eviction.py",
+        "                if self.ghosts.kind(key) != self._reviving:\n",
+        "                if True:\n",
+        # What-if lookups find no more than the real one: no eviction is ever charged a token.
+        ("tests/test_cpu_tier_eviction.py::test_demotion_stops_while_it_costs_more_than_lru",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "cpu-tier-demoted-victims-recorded-as-plain",
+        "offload/eviction.py",
+        "                    self.ghosts.evicted_key(key, True)\n",
+        "                    self.ghosts.evicted_key(key, False)\n",
+        # The order's own victims count as LRU's: their cost never weighs against demotion.
+        ("tests/test_cpu_tier_eviction.py::test_demotion_stops_while_it_costs_more_than_lru",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
         "divergence-cpu-tier-reach-ignored",
         "divergence/cpu_tier.py",
         "        if point > request.shared_prefix_boundary and point < request.num_prompt_tokens:\n",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,39 @@ def test_lru_is_the_wheels_own_pool(plugin, adapter):
     pool = tier.engine.offload_manager.cpu_block_pool
     assert "get_new_blocks" not in vars(pool) and "free_blocks" not in vars(pool)
     assert connector.offload_mode in (OffloadMode.NATIVE, OffloadMode.BACKPORT)
+
+
+def _branches_at_chunk_ends(adapter, policy: str, keep_the_bet: bool = False) -> tuple[list[int], Any]:
+    """A prefix tree the demotion bet loses on. Each round: A (336 tokens, prefilled in chunks of
+    64: states at 64..256 superseded, so demoted) and two 64-token prompts that push blocks out of
+    the tier; with the GPU cache reset, a request branches off A at 256, where A's chunk-end state
+    sits. Returns each branch's hit and the policy (None under LRU)."""
+    tier = Tier(adapter, policy, HybridGeometry(max_num_batched_tokens=64))
+    order = tier.engine.connector.cpu_tier_policy
+    if keep_the_bet:
+        order.ghosts.min_demoted_evictions = 10**9  # never enough evidence: the order as first built
+    hits, filler_seeds = [], itertools.count(1000)
+    for round_ in range(8):
+        a = tokens(336, seed=round_)
+        tier.request(a)
+        for _ in range(2):
+            tier.request(tokens(64, seed=next(filler_seeds)))
+        tier.reset_gpu()
+        hits.append(tier.request([*a[:256], *tokens(48, seed=500 + round_)]))
+    tier.invariants.check()
+    return hits, order
+
+
+def test_demotion_stops_while_it_costs_more_than_lru(plugin, adapter):
+    """LRU keeps every branch point (256 each round); the demotion bet evicts A's chunk-end state
+    in round 3 and from then on. A what-if lookup (the branch's lookup with the demoted keys the
+    tier evicted counted as held) charges the 256 lost tokens to demotion; plain evictions cost
+    none, so the order stops demoting and the later rounds hit 256 again."""
+    assert _branches_at_chunk_ends(adapter, "lru")[0] == [256] * 8
+    bet, order = _branches_at_chunk_ends(adapter, "hybrid", keep_the_bet=True)
+    assert bet == [256, 256, 0, 0, 0, 0, 0, 0]
+    assert (order.ghosts.totals["lost_demoted"], order.ghosts.totals["lost_plain"]) == (6 * 256, 0)
+    learned, order = _branches_at_chunk_ends(adapter, "hybrid")
+    assert learned == [256, 256, 0, 256, 256, 256, 256, 256]
+    assert (order.ghosts.totals["lost_demoted"], order.ghosts.totals["lost_plain"]) == (256, 0)
+    assert not order.ghosts.demotion_pays() and order.stats["demotion_withheld"] > 0

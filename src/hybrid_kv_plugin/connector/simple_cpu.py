@@ -89,6 +89,16 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        policy = self.cpu_tier_policy
+        if policy is None:
+            return self._matched_tokens(request, num_computed_tokens)
+        policy.judge_lookup(request.request_id)
+        try:
+            return self._matched_tokens(request, num_computed_tokens)
+        finally:
+            policy.judge_lookup(None)  # a lookup the wheel skipped must not judge a later one
+
+    def _matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         reach = self.cpu_tier_reach
         if reach is None:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -31,15 +31,21 @@ blocks inside the free queue. Invariants:
   position (the prompt's last unit boundary, or the last one <= N-1) and not the request's
   divergence point (``shared_prefix_boundary``) is *demoted*: chunk ends inside the prompt and
   answer states a later answer state supersedes. Its copy (once published) is
-  evicted before any LRU block, oldest demotion first. A request's deepest state is never
-  demoted. A demoted copy that a request loads or reuses returns to plain LRU.
+  evicted before any LRU block, oldest demotion first, **while demoting pays**. A request's
+  deepest state is never demoted. A demoted copy that a request loads or reuses returns to
+  plain LRU;
+- **while demoting pays**: the demotion is a bet on the workload. It wins on chats that
+  continue where the last turn ended and loses on prefix trees whose requests branch off at
+  the demoted chunk ends. Each request's CPU-tier lookup is run twice more, each time with one
+  class of evicted keys (demoted, plain LRU) counted as held (offload/ghosts.py); the tokens
+  more it would hit are charged to that class. Demoted copies go first while they have cost no
+  more tokens per evicted block than plain ones; the verdict follows the workload (decaying
+  counts) and can turn back.
 
-The demotion is a bet on the workload, and ``hybrid-kv replay`` shows which way it goes
-(Qwen3-Next, unit 16, 40/160 GiB, vLLM 0.33): on the Mooncake conversation trace (first 2,000
-requests: chats that continue from where the last turn ended) it lifts
-``plugin+divergence`` from 0.591 to 0.666 of the ideal; on the synthetic trace (3,993 requests
-branching off long shared prefixes) the demoted chunk-end states are the ones branching requests
-resume from, and ``plugin`` falls from 0.597 to 0.405. Hence opt-in, per deployment.
+``hybrid-kv replay`` (Qwen3-Next, unit 16, 40/160 GiB, vLLM 0.33, ``plugin+divergence+hybrid-tier``):
+Mooncake conversation trace (first 2,000 requests) 0.688 of the ideal with the bet always on,
+0.696 judged (LRU: 0.630); synthetic trace (3,993 requests branching off long shared prefixes)
+0.552 always on, 0.622 judged (LRU: 0.652). Opt-in, per deployment.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.offload.ghosts import DEMOTED, PLAIN, EvictionGhosts
 
 # The choices of ``kv_connector_extra_config.cpu_tier_eviction``.
 LRU = "lru"
@@ -91,27 +98,65 @@ class HybridTierPolicy:
         self._pending: dict[Any, None] = {}
         # Published demoted copies, oldest first: block id -> (block, the key it was demoted under).
         self.demoted: dict[int, tuple[Any, Any]] = {}
-        self.stats = {"demoted": 0, "evicted_demoted": 0, "promoted": 0, "refreshed": 0}
+        self.stats = {"demoted": 0, "evicted_demoted": 0, "promoted": 0, "refreshed": 0, "demotion_withheld": 0}
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+
+        # Whether demoting pays on this workload: evicted keys by class, and what-if lookups
+        # (judge_lookup) that count one class's evicted keys as held.
+        self.ghosts = EvictionGhosts(len(self.pool.blocks))
+        self._group_key = make_block_hash_with_group_id
+        self._reviving: int | None = None  # the class a what-if lookup counts as held
+        self._stand_in = KVCacheBlock(block_id=-1)  # what a what-if lookup finds for such a key
+        self._judging: str | None = None
+        self._judged: set[str] = set()  # requests judged once already (forgotten when they finish)
+        coordinator = manager.cpu_coordinator
+        self._find = coordinator.find_longest_cache_hit
+        coordinator.find_longest_cache_hit = self._find_longest_cache_hit
         pool = self.pool
         self._get_new_blocks = pool.get_new_blocks
         self._free_blocks = pool.free_blocks
         self._touch = pool.touch
+        self._get_cached_block = pool.get_cached_block
         pool.get_new_blocks = self.get_new_blocks
         pool.free_blocks = self.free_blocks
         pool.touch = self.touch
+        pool.get_cached_block = self.get_cached_block
 
-    # ------------------------------------------------------------------ the pool's three calls
+    # ------------------------------------------------------------------ the pool's calls
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
         queue = self.pool.free_block_queue
-        if self.demoted and num_blocks <= queue.num_free_blocks:
-            need = num_blocks - _unhashed_at_head(queue, num_blocks)
-            victims = self._victims(need) if need > 0 else []
+        if num_blocks > queue.num_free_blocks:
+            return self._get_new_blocks(num_blocks)  # the pool refuses it as usual
+        victims: list[Any] = []
+        if self.demoted:
+            if self.ghosts.demotion_pays():
+                need = num_blocks - _unhashed_at_head(queue, num_blocks)
+                victims = self._victims(need) if need > 0 else []
+            else:
+                self.stats["demotion_withheld"] += 1
             if victims:
                 for block in victims:
                     queue.remove(block)
                 queue.prepend_n(victims)
                 self.stats["evicted_demoted"] += len(victims)
+        self._record_evictions(queue, num_blocks, len(victims))
         return self._get_new_blocks(num_blocks)
+
+    def _record_evictions(self, queue: Any, num_blocks: int, num_victims: int) -> None:
+        """Remember the keys the next ``num_blocks`` taken from the head of the queue held; the
+        first ``num_victims`` hashed ones are the demoted victims just moved there."""
+        demoted = self.demoted
+        block = queue.fake_free_list_head.next_free_block
+        for _ in range(num_blocks):
+            key = block.block_hash
+            if key is not None:
+                if num_victims:
+                    num_victims -= 1
+                    self.ghosts.evicted_key(key, True)
+                else:  # LRU's own pick, maybe a demoted copy while demotion is withheld
+                    entry = demoted.pop(block.block_id, None)
+                    self.ghosts.evicted_key(key, entry is not None and entry[1] == key)
+            block = block.next_free_block
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
@@ -142,6 +187,49 @@ class HybridTierPolicy:
             if block.ref_cnt == 0 and block.block_hash == key:
                 victims.append(block)
         return victims
+
+    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: list[int]) -> Any:
+        """The pool's lookup; inside a what-if lookup, an evicted key of the class being judged
+        counts as held (its block is a stand-in nobody takes)."""
+        found = self._get_cached_block(block_hash, kv_cache_group_ids)
+        if found is not None or self._reviving is None:
+            return found
+        # A what-if lookup: keys of the class being judged count as held.
+        lookup = self.pool.cached_block_hash_to_block.get_one_block
+        blocks = []
+        for group_id in kv_cache_group_ids:
+            key = self._group_key(block_hash, group_id)
+            block = lookup(key)
+            if block is None:
+                if self.ghosts.kind(key) != self._reviving:
+                    return None
+                block = self._stand_in
+            blocks.append(block)
+        return blocks
+
+    # ------------------------------------------------------------------ judging the demotion bet
+    def judge_lookup(self, request_id: str | None) -> None:
+        """The next coordinator lookup answers ``request_id`` (None: no request): judge it, once
+        per request."""
+        self._judging = None if request_id in self._judged else request_id
+
+    def _find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        """The CPU coordinator's lookup; for a request being judged, the same lookup again once per
+        class with that class's evicted keys counted as held: the tokens more it hits are what
+        the class's evictions cost this request."""
+        result = self._find(block_hashes, max_cache_hit_length)
+        request_id, self._judging = self._judging, None
+        if request_id is None or not len(self.ghosts):
+            return result
+        self._judged.add(request_id)
+        hit = result[1]
+        for kind in (PLAIN, DEMOTED):
+            self._reviving = kind
+            try:
+                self.ghosts.charge(kind, self._find(block_hashes, max_cache_hit_length)[1] - hit)
+            finally:
+                self._reviving = None
+        return result
 
     # ------------------------------------------------------------------ what the connector tells it
     def observe_step(self, scheduler_output: Any, gpu_pool: Any) -> None:
@@ -234,6 +322,7 @@ class HybridTierPolicy:
         """Requests that left: no later hand-off of theirs will supersede anything."""
         for req_id in req_ids:
             self._deepest.pop(req_id, None)
+            self._judged.discard(req_id)
 
     def is_intermediate(self, request: Any, boundary: int) -> bool:
         """Whether a superseded state at ``boundary`` may go first: anything but the prompt's tail
