@@ -39,13 +39,13 @@ blocks inside the free queue. Invariants:
   the demoted chunk ends. Each request's CPU-tier lookup is run twice more, each time with one
   class of evicted keys (demoted, plain LRU) counted as held (offload/ghosts.py); the tokens
   more it would hit are charged to that class. Demoted copies go first while they have cost no
-  more tokens per evicted block than plain ones; the verdict follows the workload (decaying
-  counts) and can turn back.
+  more tokens per evicted block than plain ones; an eviction counts for whoever chose it (the
+  order's victims are demoted, LRU's picks plain); the counts decay with the workload.
 
 ``hybrid-kv replay`` (Qwen3-Next, unit 16, 40/160 GiB, vLLM 0.33, ``plugin+divergence+hybrid-tier``):
 Mooncake conversation trace (first 2,000 requests) 0.688 of the ideal with the bet always on,
 0.696 judged (LRU: 0.630); synthetic trace (3,993 requests branching off long shared prefixes)
-0.552 always on, 0.622 judged (LRU: 0.652). Opt-in, per deployment.
+0.552 always on, 0.637 judged (LRU: 0.652). Opt-in, per deployment.
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ class HybridTierPolicy:
                 if num_victims:
                     num_victims -= 1
                     self.ghosts.evicted_key(key, True)
-                else:  # LRU's own pick, maybe a demoted copy while demotion is withheld
-                    entry = demoted.pop(block.block_id, None)
-                    self.ghosts.evicted_key(key, entry is not None and entry[1] == key)
+                else:  # LRU's own pick (a demoted copy too, while the bet is withheld): LRU's cost
+                    demoted.pop(block.block_id, None)
+                    self.ghosts.evicted_key(key, False)
             block = block.next_free_block
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
