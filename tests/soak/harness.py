@@ -113,7 +113,11 @@ def variants(adapter: Any) -> list[Variant]:
                      attention_block_size=32),
              # Stores request ends until the tier first evicts, declines them from then on (the default).
              Variant("plugin-auto-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "auto"),),
-                     attention_block_size=32)]
+                     attention_block_size=32),
+             # The hybrid eviction order (demoted states first while the judged bet pays), attention
+             # block = Mamba block so every unit is keyed and the small CPU pool evicts often.
+             Variant("plugin-hybrid-tier-fa64", CONNECTOR_NAME, (("cpu_tier_eviction", "hybrid"),),
+                     attention_block_size=64)]
             if not opt_out
             else []
         ),
