@@ -112,3 +112,19 @@ def test_next_free_block_reads_a_real_pool_without_taking(adapter):
     pool.free_blocks([second])
     assert adapter.next_free_block(pool) is second
     assert not adapter.reads_next_free_block(object())
+
+
+def test_free_blocks_at_head_reads_a_real_pool_in_taking_order(adapter):
+    """The hybrid CPU-tier order reads which blocks an allocation takes (and whose copies it
+    evicts): the pool's own ``get_new_blocks`` takes exactly these, in this order."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    assert [b.block_id for b in adapter.free_blocks_at_head(pool, 3)] == [1, 2, 3]
+    assert [b.block_id for b in adapter.free_blocks_at_head(pool, 9)] == [1, 2, 3, 4, 5]  # all that is free
+    taken = pool.get_new_blocks(4)
+    pool.free_blocks([taken[2], taken[0]])  # where they rejoin the queue is the wheel's choice
+    ahead = [b.block_id for b in adapter.free_blocks_at_head(pool, 3)]
+    assert sorted(ahead) == [1, 3, 5]
+    assert [b.block_id for b in pool.get_new_blocks(3)] == ahead
+    assert adapter.free_blocks_at_head(pool, 2) == []

@@ -167,6 +167,16 @@ def test_hybrid_tier_with_fine_grained_hits_off(plugin, adapter):
         build()
 
 
+def test_hybrid_tier_refused_where_the_pool_cannot_be_read(plugin, adapter, mocker):
+    """The order reads which copies an allocation evicts (adapter ``free_blocks_at_head``); a
+    pool without a readable free queue (none among 0.26-0.33; here the adapter says so) refuses
+    the option at start-up, naming lru, instead of running an order it cannot keep."""
+    mocker.patch.object(type(adapter), "reads_next_free_block", return_value=False)
+    with pytest.raises(PluginConfigError, match=r"cpu_tier_eviction: 'hybrid' reads the CPU pool's free queue.*\(allowed here: lru\)"):
+        Tier(adapter, "hybrid")
+    assert Tier(adapter, "lru").engine.connector.cpu_tier_policy is None
+
+
 def test_bad_value_names_key_and_values(plugin, adapter):
     with pytest.raises(PluginConfigError, match=r"cpu_tier_eviction: .*allowed: lru or hybrid"):
         SimEngine(

@@ -1,5 +1,12 @@
-"""``PYTHONPATH=tests python -m soak``: the long seeded soak of :mod:`soak.harness`."""
+"""``PYTHONPATH=tests python -m soak``: the long seeded soak of :mod:`soak.harness`.
 
-from soak.harness import main
+It runs under a private temp root (TMPDIR), as ``hybrid-kv`` commands do: torch's compile cache
+went to /tmp/torchinductor_<user> and stayed there."""
 
-raise SystemExit(main())
+from hybrid_kv_plugin.models.environment import private_temp_root
+
+with private_temp_root():
+    from soak.harness import main
+
+    code = main()
+raise SystemExit(code)

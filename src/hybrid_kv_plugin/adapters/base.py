@@ -244,6 +244,17 @@ class VllmAdapter:
         head = block_pool.free_block_queue.fake_free_list_head.next_free_block
         return None if head is None or head.block_id < 0 else head
 
+    def free_blocks_at_head(self, block_pool: Any, limit: int) -> list[Any]:
+        """The next ``limit`` blocks (fewer where fewer are free) ``block_pool`` hands out, in the
+        order it takes them, without taking them (the hybrid CPU-tier order reads which copies an
+        allocation evicts)."""
+        blocks: list[Any] = []
+        block = self.next_free_block(block_pool)
+        while block is not None and block.block_id >= 0 and len(blocks) < limit:
+            blocks.append(block)
+            block = block.next_free_block
+        return blocks
+
     # ------------------------------------------------------------------ SimpleCPU offload geometry
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         """Physical block size of each KV-cache group, as the coordinator's managers resolved it.

@@ -50,7 +50,7 @@ Mooncake conversation trace (first 2,000 requests) 0.688 of the ideal with the b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hybrid_kv_plugin.config import PluginConfigError
@@ -82,16 +82,26 @@ def attach_cpu_tier_policy(connector: Any) -> HybridTierPolicy | None:
     manager = getattr(connector, "scheduler_manager", None)
     if manager is None:
         return None  # the worker side keeps no CPU pool
-    return HybridTierPolicy(manager, manager.hash_block_size)
+    adapter = connector.hybrid_kv_adapter
+    if not adapter.reads_next_free_block(manager.cpu_block_pool):
+        # The order reads which copies an allocation evicts; without that it cannot keep its invariants.
+        raise PluginConfigError(
+            "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.cpu_tier_eviction: 'hybrid' "
+            f"reads the CPU pool's free queue, which vLLM {adapter.version}'s pool does not expose "
+            "(allowed here: lru)"
+        )
+    return HybridTierPolicy(manager, manager.hash_block_size, adapter.free_blocks_at_head)
 
 
 class HybridTierPolicy:
     """The hybrid eviction order on one SimpleCPU scheduler's CPU pool."""
 
-    def __init__(self, manager: Any, hash_block_size: int) -> None:
+    def __init__(self, manager: Any, hash_block_size: int, free_blocks_at_head: Callable[[Any, int], list[Any]]) -> None:
         self.manager = manager
         self.pool = manager.cpu_block_pool
         self.unit = hash_block_size
+        # The adapter's read of the blocks the pool hands out next (not taken).
+        self._at_head = free_blocks_at_head
         # Per running request: its deepest state handed off so far (boundary, keys).
         self._deepest: dict[str, tuple[int, list[Any]]] = {}
         # Keys of hand-offs staged as intermediate, until their copy is published (insertion order).
@@ -130,7 +140,7 @@ class HybridTierPolicy:
         victims: list[Any] = []
         if self.demoted:
             if self.ghosts.demotion_pays():
-                need = num_blocks - _unhashed_at_head(queue, num_blocks)
+                need = num_blocks - self._unhashed_at_head(num_blocks)
                 victims = self._victims(need) if need > 0 else []
             else:
                 self.stats["demotion_withheld"] += 1
@@ -139,15 +149,23 @@ class HybridTierPolicy:
                     queue.remove(block)
                 queue.prepend_n(victims)
                 self.stats["evicted_demoted"] += len(victims)
-        self._record_evictions(queue, num_blocks, len(victims))
+        self._record_evictions(num_blocks, len(victims))
         return self._get_new_blocks(num_blocks)
 
-    def _record_evictions(self, queue: Any, num_blocks: int, num_victims: int) -> None:
+    def _unhashed_at_head(self, limit: int) -> int:
+        """Free blocks without a key at the head of the queue (up to ``limit``): taking them evicts nothing."""
+        count = 0
+        for block in self._at_head(self.pool, limit):
+            if block.block_hash is not None:
+                break
+            count += 1
+        return count
+
+    def _record_evictions(self, num_blocks: int, num_victims: int) -> None:
         """Remember the keys the next ``num_blocks`` taken from the head of the queue held; the
         first ``num_victims`` hashed ones are the demoted victims just moved there."""
         demoted = self.demoted
-        block = queue.fake_free_list_head.next_free_block
-        for _ in range(num_blocks):
+        for block in self._at_head(self.pool, num_blocks):
             key = block.block_hash
             if key is not None:
                 if num_victims:
@@ -156,7 +174,6 @@ class HybridTierPolicy:
                 else:  # LRU's own pick (a demoted copy too, while the bet is withheld): LRU's cost
                     demoted.pop(block.block_id, None)
                     self.ghosts.evicted_key(key, False)
-            block = block.next_free_block
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
@@ -335,13 +352,3 @@ class HybridTierPolicy:
             return False
         return boundary != getattr(request, "shared_prefix_boundary", None)
 
-
-def _unhashed_at_head(queue: Any, limit: int) -> int:
-    """Free blocks without a key at the head of ``queue`` (up to ``limit``): taking them evicts nothing."""
-    count = 0
-    block = queue.fake_free_list_head.next_free_block
-    tail = queue.fake_free_list_tail
-    while count < limit and block is not tail and block is not None and block.block_hash is None:
-        count += 1
-        block = block.next_free_block
-    return count

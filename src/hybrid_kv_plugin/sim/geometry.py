@@ -82,6 +82,21 @@ def build_vllm_config(
 ) -> Any:
     """A real ``VllmConfig`` for the tiny hybrid model shipped with the plugin (no weights, no tokenizer)."""
     offline_environment()
+    # vLLM inspects the model class in a fresh subprocess (which imports vLLM again: 23 s per
+    # engine built on a 2-core host); a simulated engine forks nothing, so it runs here.
+    from hybrid_kv_plugin.models.inspection import model_inspection
+
+    with model_inspection():
+        return _build_vllm_config(geometry, adapter, kv_connector, kv_connector_extra_config, additional_config)
+
+
+def _build_vllm_config(
+    geometry: HybridGeometry,
+    adapter: Any,
+    kv_connector: str | None,
+    kv_connector_extra_config: dict[str, Any] | None,
+    additional_config: dict[str, Any] | None,
+) -> Any:
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(
