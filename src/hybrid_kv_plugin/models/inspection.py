@@ -8,10 +8,12 @@ load beside the CPU torch), so the inspection fails although the text model neve
 image. Only the KV-cache facts of the class are read here (``is_hybrid``, the Mamba state
 shapes and dtypes), never an image path.
 
-:func:`model_inspection` therefore, for the duration of one geometry resolution only:
+:func:`model_inspection` therefore, for the duration of one geometry resolution or one
+simulated engine's config (sim/geometry.py) only:
 
 - runs the inspection in this process (the subprocess exists to keep CUDA uninitialised
-  in a server that forks workers; ``doctor`` and ``replay`` fork nothing), and
+  in a server that forks workers; ``doctor``, ``replay`` and the simulated engines fork
+  nothing; the subprocess imported vLLM again, 23 s per engine on 2 cores), and
 - where ``torchvision`` cannot be imported, answers ``import torchvision...`` with
   placeholder modules whose attributes raise ``ImportError`` when used.
 
