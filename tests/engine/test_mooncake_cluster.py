@@ -15,7 +15,8 @@ engine start costs minutes on this host); the tests below assert its parts:
    turn 2 on A (GPU reset) hits 384, the state B's turn 2 left in the store.
 3. The master stopped: both engines keep serving (cold prompts, outputs equal their
    references), the store's misses and breaker trips are counted; restarted (same ports),
-   the store comes back into use: a prompt A computes after the restart hits on B.
+   the store comes back into use: a prompt A computes after the restart hits on B (a lookup
+   B makes before its own client is back fails, counted, and the pair goes again).
 4. An engine restarted: B stops and B2 starts (same master, 16 MiB segment): B2 hits what
    A stored (432 of 448, outputs equal its like-for-like reference). Then A stops, and its
    segment goes with it (each engine's puts stay in its own segment, ``agent.py``): B2's
@@ -163,8 +164,10 @@ def _master_down(runs: dict, master: Master, a: Engine, b: Engine) -> None:
 def _master_restarted(runs: dict, master: Master, a: Engine, b: Engine) -> None:
     master.start()
     runs["restart available"] = (wait_for_store(a), wait_for_store(b))
-    # The clients reconnect on their own; a put before they have re-registered fails and
-    # opens the breaker again, so A computes a fresh prompt until its writes land (bounded).
+    # Each client reconnects on its own: a put or lookup before it has re-registered fails
+    # and opens its breaker again. So A computes a fresh prompt until its writes land, then
+    # B asks for it; where B's lookup failed (counted), both go again (bounded).
+    b_misses, run = [], None
     for attempt in range(10):
         prompt = tokens(f"after-restart-{attempt}", FAULT_LENGTH)
         before = a.call(op="counters")["store"]
@@ -172,11 +175,17 @@ def _master_restarted(runs: dict, master: Master, a: Engine, b: Engine) -> None:
         flush(a, f"restart-{attempt}")
         after = a.call(op="counters")["store"]
         if after["blocks_put"] > before["blocks_put"] and after["put_failures"] == before["put_failures"]:
-            break
+            wait_for_store(b)
+            b_before = b.call(op="counters")["store"]
+            run = b.generate(prompt, MAX_TOKENS)
+            b_after = b.call(op="counters")["store"]
+            if run["num_cached_tokens"] > 0:
+                break
+            b_misses.append({k: b_after[k] - b_before[k] for k in b_before})
         time.sleep(OPTIONS["retry_s"] + 0.5)
     runs["restart attempts"] = attempt + 1
-    wait_for_store(b)
-    runs["restart", "b"] = b.generate(prompt, MAX_TOKENS)
+    runs["restart", "b misses"] = b_misses
+    runs["restart", "b"] = run or b.generate(prompt, MAX_TOKENS)
     runs["restart", "b uncached"] = b.generate(prompt, MAX_TOKENS, salt="restart-uncached")
 
 
@@ -298,7 +307,15 @@ def test_master_restarted_store_back_in_use(cluster):
     b, uncached = cluster["restart", "b"], cluster["restart", "b uncached"]
     assert (b["num_cached_tokens"], b["external_hits"]) == (A_CPU_HITS[FAULT_LENGTH], A_CPU_HITS[FAULT_LENGTH])
     assert b["token_ids"] == uncached["token_ids"]
-    print(f"\nafter the restart: A's puts landed after {cluster['restart attempts']} attempt(s)")
+    # A lookup B made before its client was back may miss, but only as a counted failure
+    # (error, timeout or skipped), never as a silent miss of a key A had put.
+    for miss in cluster["restart", "b misses"]:
+        assert miss["lookup_errors"] + miss["lookup_timeouts"] + miss["lookups_skipped"] >= 1, miss
+        assert miss["blocks_installed"] == 0, miss
+    print(
+        f"\nafter the restart: B hit A's puts at attempt {cluster['restart attempts']}; "
+        f"B's failed lookups before that: {cluster['restart', 'b misses']}"
+    )
 
 
 def test_restarted_engine_hits_what_a_stored(cluster):
