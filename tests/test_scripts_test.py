@@ -44,6 +44,7 @@ def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_pa
         os.environ,
         TMPDIR=str(scratch),
         HYBRID_KV_VENV_ROOT=str(venv.parent),
+        HYBRID_KV_NO_BUILD="1",  # never rebuild the venv this suite runs in
         HYBRID_KV_LOG_DIR=str(logs),
         HYBRID_KV_TESTS=str(suite / "test_waiting.py"),
         HYBRID_KV_TEST_MARKER=str(marker),
