@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 from hybrid_kv_plugin.adapters import Support
 from hybrid_kv_plugin.sim.workload import Segment, TraceRequest
@@ -131,3 +133,16 @@ def recording(logger_name: str, level: int | None = None) -> Iterator[LogRecords
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+def alive(pid: int) -> bool:
+    """A process with this PID runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for every purpose here (its parent reaps it on wait()).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 WAITING_TEST = """\
 import os, time
@@ -24,16 +26,9 @@ def test_waits():
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_path):
     venv = Path(sys.prefix)
+    version = venv.name.removeprefix("vllm-")
     assert (ROOT / "scripts" / "pins" / f"{venv.name}.txt").is_file(), f"{venv} is not a scripts/test venv"
     scratch, logs, suite = tmp_path / "tmp", tmp_path / "logs", tmp_path / "suite"
     for folder in (scratch, logs, suite):
@@ -52,7 +47,7 @@ def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_pa
     out = tmp_path / "out.txt"
     with out.open("w") as sink:  # a file, not a pipe: a child left running cannot hold it open
         run = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "test"), venv.name.removeprefix("vllm-")],
+            ["bash", str(ROOT / "scripts" / "test"), version],
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
     inner = None
@@ -65,7 +60,7 @@ def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_pa
         inner = int(marker.read_text())
         # While it runs, everything it puts in TMPDIR lies in one folder of its own.
         (job_folder,) = scratch.iterdir()
-        assert job_folder.name.startswith(f"hybrid-kv-test-{venv.name.removeprefix('vllm-')}.")
+        assert job_folder.name.startswith(f"hybrid-kv-test-{version}.")
         assert [p.name.split(".")[0] for p in job_folder.iterdir()] == ["vllm-cache"]
     finally:
         run.send_signal(signal.SIGTERM)
@@ -74,7 +69,7 @@ def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_pa
         finally:
             if run.poll() is None:
                 run.kill()
-            if inner is not None and _alive(inner):
+            if inner is not None and alive(inner):
                 os.kill(inner, signal.SIGKILL)
                 assert False, f"the inner pytest ({inner}) outlived the interrupted run"
     assert run.returncode == 130, out.read_text()

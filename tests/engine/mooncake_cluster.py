@@ -142,17 +142,5 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for every purpose here (its parent reaps it on wait()).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def remove_workdir(workdir: Path) -> None:
     shutil.rmtree(workdir, ignore_errors=True)

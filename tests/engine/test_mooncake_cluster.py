@@ -38,7 +38,8 @@ import random
 import time
 
 import pytest
-from mooncake_cluster import Engine, Master, alive, make_workdir, remove_workdir, shm_entries
+from helpers import alive
+from mooncake_cluster import Engine, Master, make_workdir, remove_workdir, shm_entries
 from tiny_model import write_model
 
 LENGTHS = (448, 513, 576)
