@@ -272,6 +272,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "inert-patches-bind-inline-mamba-managers",
+        "inert_patches.py",
+        "    if adapter.mamba_manager_attributes_past_inline:\n",
+        "    if True:\n",
+        # 0.29's Mamba manager keeps its attributes inline: it must get no binding.
+        ("tests/test_inert_patches.py::test_options_off_bind_the_wheels_own_methods",),
+        ("0.29.0",),
+    ),
+    Mutant(
+        "prompt-tail-retention-inert-while-output-checkpoint-on",
+        "patches/prompt_tail_retention.py",
+        "        inert_for=lambda manager, scheduler: not prompt_tail_bound(manager) and not output_checkpoint_requested(scheduler),\n",
+        "        inert_for=lambda manager, scheduler: not prompt_tail_bound(manager),\n",
+        # Bound past the retention patch: the answer's block end at 352 is never hashed.
+        ("tests/test_output_checkpoint.py::test_engine_geometry_under_retention_0",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "junction-open-plan-binds-the-stock-coordinator",
         "junction/coordinator.py",
         "        if not plan.enabled:\n",

@@ -113,7 +113,8 @@ def _bound(engine) -> dict[str, str]:
     coordinator = scheduler.kv_cache_manager.coordinator
     named = {"scheduler": (scheduler, "_mamba_block_aligned_split"), "coordinator": (coordinator, "cache_blocks")}
     for manager in coordinator.single_type_managers:
-        named[type(manager).__name__] = (manager, "_cache_partial_tail_block")
+        for attr in ("cache_blocks", "_cache_partial_tail_block"):
+            named[f"{type(manager).__name__}.{attr}"] = (manager, attr)
     bound: dict[str, str] = {}
     for label, (obj, attr) in named.items():
         method = obj.__dict__.get(attr)
@@ -125,6 +126,9 @@ def _bound(engine) -> dict[str, str]:
     return bound
 
 
+MAMBA_MANAGER_STOCK = {"MambaManager.cache_blocks": "stock", "MambaManager._cache_partial_tail_block": "stock"}
+
+
 def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
     engine = make_engine(_geometry())
     expected: dict[str, str] = {}
@@ -134,7 +138,10 @@ def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
         expected.update(scheduler="stock", coordinator="stock")
     if adapter.version in PROMPT_TAIL_WHEELS:
         expected.update(scheduler="stock")
-    # Nothing is bound on the managers (see hybrid_kv_plugin.inert_patches).
+    if adapter.mamba_manager_attributes_past_inline:
+        # 0.30+: the Mamba manager is already off inline storage, so it is bound too.
+        expected.update(MAMBA_MANAGER_STOCK)
+    # Nothing else is bound on the managers (see hybrid_kv_plugin.inert_patches).
     assert _bound(engine) == expected
     managers = sorted(type(m).__name__ for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers)
     assert managers == ["FullAttentionManager", "MambaManager"]
@@ -149,11 +156,15 @@ def test_prompt_tail_on_keeps_its_patches(plugin, make_engine, adapter):
         return
     engine = make_engine(_geometry(), additional_config=config)
     bound = _bound(engine)
-    # The split (outermost: prompt_tail_split) keeps the class's patched path; the managers
-    # are never bound, their patches ask the manager's binding on each call.
+    # The split (outermost: prompt_tail_split) keeps the class's patched path. 0.29 binds
+    # nothing on the managers (their patches ask the manager's binding on each call); 0.30+
+    # binds the Mamba manager's partial-tail method past the inert output-checkpoint patch,
+    # onto the prompt-tail one, and leaves cache_blocks to the prompt-tail retention patch.
     expected: dict[str, str] = {}
     if adapter.version in JUNCTION_BACKPORT_WHEELS:
         expected["coordinator"] = "stock"
+    if adapter.mamba_manager_attributes_past_inline:
+        expected["MambaManager._cache_partial_tail_block"] = "prompt_tail_manager"
     assert bound == expected
 
 
@@ -182,6 +193,9 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
         # No replay boundaries to hand over without sparse retention: coordinator and junction
         # managers run the stock cache_blocks. 0.29: the inert prompt-tail split is peeled down
         # to the junction split.
+        # The junction binds its managers' cache_blocks itself (to the stock Mamba manager's: below).
+        assert "JunctionMambaManager.cache_blocks" in bound
+        del bound["JunctionMambaManager.cache_blocks"]
         expected: dict[str, str] = {"coordinator": "stock"}
         if adapter.version in PROMPT_TAIL_WHEELS:
             expected["scheduler"] = "junction_split"
@@ -191,7 +205,7 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
                 assert manager.cache_blocks.__func__ is coordinator._stock_mamba_manager_cls.cache_blocks
     else:  # native junction: nothing of the plugin's junction is installed
         assert managers == ["FullAttentionManager", "MambaManager"]
-        assert bound == {"scheduler": "stock"}
+        assert bound == {"scheduler": "stock", **MAMBA_MANAGER_STOCK}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +275,7 @@ def stock_then_plugin() -> dict[str, dict[str, bool]]:
     return {"stock": stock, "plugin": plugin}
 
 
-def test_plugin_keeps_attributes_inline_where_stock_does():
+def test_plugin_keeps_attributes_inline_where_stock_does(adapter):
     """With the plugin's connector and every plugin patch in, each object vLLM touches per step
     keeps its attributes inline exactly where stock vLLM with its own connector does.
 
@@ -283,6 +297,8 @@ def test_plugin_keeps_attributes_inline_where_stock_does():
     found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("INLINE="))[len("INLINE="):])
     stock, plugin = found["stock"], found["plugin"]
     assert plugin == stock
+    # Where the adapter says the Mamba manager is past inline storage, managers get bindings.
+    assert stock["gpu MambaManager"] is not adapter.mamba_manager_attributes_past_inline
     # The objects this checks are mostly inline on stock vLLM (the bigger Mamba managers and the
     # offload scheduler of 0.30+ hold more than 30 attributes and are not): the check can fail.
     assert sum(stock.values()) >= 7, stock

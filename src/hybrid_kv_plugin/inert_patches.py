@@ -2,30 +2,37 @@
 
 Patches go in once per process, but the options that drive them are per engine
 (``additional_config['hybrid_kv']``), and their targets run on every scheduler step.
-At the end of the scheduler constructor (``scheduler_plugin_config``), the scheduler's
-per-step methods are bound, on the scheduler, past the patches that are inert for it
+At the end of the scheduler constructor (``scheduler_plugin_config``), per-step methods
+are bound, on the object that runs them, past the patches that are inert for it
 (:func:`~hybrid_kv_plugin.patching.bypass_inert_patches`, each patch's ``inert_for``).
 Options never change after start-up, so neither does that.
 
-Only the scheduler: it already holds more attributes than CPython keeps inline, so one
-more costs nothing. A KV-cache manager keeps its attributes inline, and a class shares
-fewer free inline slots with each instance it creates; an attribute added later can move
-all of that manager's attributes to the slow path (with the plugin's other such cases,
-machine instructions per scheduler step on 0.29, plugin / stock: 1.137 before, 1.092
-after). Their patches check the manager's binding on each call instead.
+Only objects whose attributes are already off CPython's inline storage get a binding:
+the scheduler on every wheel, and the Mamba managers where the wheel's own constructor
+gives them more attributes than CPython keeps inline (0.30+, the adapter says). Elsewhere
+a KV-cache manager keeps its attributes inline, and a class shares fewer free inline
+slots with each instance it creates; an attribute added later can move all of that
+manager's attributes to the slow path (with the plugin's other such cases, machine
+instructions per scheduler step on 0.29, plugin / stock: 1.137 before, 1.092 after).
+Their patches check the manager's binding on each call instead.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import bypass_inert_patches
 
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
+
 # Patched methods that run per request per step, with a per-engine option.
 SCHEDULER_METHODS = ("_mamba_block_aligned_split",)
+# Patched Mamba-manager methods that run per group per step (cache_blocks calls the second).
+MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block")
 
 
-def bypass_inert_patches_of(scheduler: Any) -> None:
+def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
     from hybrid_kv_plugin.junction import plan_of
 
     # Bound first: an open junction plan re-types the Mamba managers (their own
@@ -33,3 +40,20 @@ def bypass_inert_patches_of(scheduler: Any) -> None:
     plan_of(scheduler)
     for attr in SCHEDULER_METHODS:
         bypass_inert_patches(scheduler, attr, scheduler)
+    if adapter.mamba_manager_attributes_past_inline:
+        _bypass_on_mamba_managers(scheduler, adapter)
+
+
+def _bypass_on_mamba_managers(scheduler: Any, adapter: VllmAdapter) -> None:
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    if adapter.prompt_tail_checkpoint_supported:
+        from hybrid_kv_plugin.prompt_tail.binding import policy_of
+
+        # The prompt-tail policy binds its managers on first use; the manager patches'
+        # ``inert_for`` read that binding, so it must exist before they are asked.
+        policy_of(scheduler, adapter)
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        if isinstance(manager, MambaManager):
+            for attr in MAMBA_MANAGER_METHODS:
+                bypass_inert_patches(manager, attr, scheduler)

@@ -266,7 +266,7 @@ def bypass_inert_patches(obj: Any, attr: str, scheduler: Any) -> bool:
     ``__dict__`` moves the object's attributes out of their inline storage for good, and
     every attribute read and method call on it then takes the slow path (2.4x per access,
     measured). For the same reason only objects already past inline storage (the
-    scheduler) get a binding: :mod:`hybrid_kv_plugin.inert_patches`.
+    scheduler; the Mamba managers of 0.30+) get a binding: :mod:`hybrid_kv_plugin.inert_patches`.
     """
     method = getattr(type(obj), attr, None)
     target = method

@@ -132,6 +132,10 @@ class VllmAdapter:
     # the positions its ``cache_blocks`` receives as ``replay_boundaries`` (0.30+); the
     # prompt_tail_retention patch adds the kept prompt-tail positions there.
     mamba_retention_keeps_replay_boundaries: ClassVar[bool] = False
+    # The Mamba manager's own constructor sets more attributes than CPython 3.11 keeps inline
+    # (0.30+: tests/test_inert_patches.py probes it on every wheel), so binding a method on
+    # one moves nothing off the fast path (hybrid_kv_plugin.inert_patches).
+    mamba_manager_attributes_past_inline: ClassVar[bool] = False
     # mamba_output_checkpoint (hybrid_kv_plugin.output_checkpoint): built on the wheel's own Mamba
     # boundary hand-off channel (0.29+). 0.26-0.28 run the plugin's replacement channel
     # (patch mamba_boundary_handoffs), which the feature does not cover yet: refused there.

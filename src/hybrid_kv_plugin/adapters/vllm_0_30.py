@@ -28,6 +28,8 @@ class Vllm030Adapter(Vllm029Adapter):
     mamba_partial_tail_producer_holds_block = True
     # MambaManager.cache_blocks(..., replay_boundaries=...): retention 0 keeps only those.
     mamba_retention_keeps_replay_boundaries = True
+    # MambaManager holds more than 30 attributes from its constructor on.
+    mamba_manager_attributes_past_inline = True
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)

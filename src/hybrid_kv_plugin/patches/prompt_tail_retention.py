@@ -15,7 +15,8 @@ positions the policy keeps for the request's prompt
 (:func:`hybrid_kv_plugin.prompt_tail.retention.retained_boundaries`); the stock
 method then retains, hashes and offers those blocks to a connector itself. With
 dense retention (``None``), an unbound manager or policy ``native`` the call is
-unchanged. For one bound to ``mamba_output_checkpoint`` under retention 0, a decode
+unchanged (an engine with neither option on binds its Mamba managers past this patch
+where they are already off inline storage: :mod:`hybrid_kv_plugin.inert_patches`). For one bound to ``mamba_output_checkpoint`` under retention 0, a decode
 step ending at an answer block end the option keeps names that position too
 (:func:`hybrid_kv_plugin.output_checkpoint.rolling.retained_block_end`), and the
 block is recorded with the request's kept answer states, so the next kept
@@ -33,9 +34,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR as OUTPUT_CHECKPOINT_ATTR
+from hybrid_kv_plugin.output_checkpoint.binding import output_checkpoint_requested
 from hybrid_kv_plugin.output_checkpoint.rolling import note_block_end, retained_block_end
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
-from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR
+from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, prompt_tail_bound
 from hybrid_kv_plugin.prompt_tail.retention import retained_boundaries
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=_wrap,
         why="keep the Mamba states prompt_tail_checkpoint and mamba_output_checkpoint name under sparse retention",
         upstream="none (vLLM retains only its own replay boundaries)",
+        inert_for=lambda manager, scheduler: not prompt_tail_bound(manager) and not output_checkpoint_requested(scheduler),
     )
 
 

@@ -97,6 +97,6 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
         adapter.apply_native_flags(vllm_config, plugin_config)
         self.hybrid_kv_config = plugin_config
         original(self, vllm_config, *args, **kwargs)
-        bypass_inert_patches_of(self)
+        bypass_inert_patches_of(self, adapter)
 
     return __init__
