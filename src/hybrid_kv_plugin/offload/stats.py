@@ -64,4 +64,8 @@ class BoundaryStoreStats:
         """Translate vLLM's own ``BoundaryStoreStats`` (0.30+); a field it lacks reads 0."""
         if native is None:
             return cls()
-        return cls(**{f.name: int(getattr(native, f.name, 0)) for f in dataclasses.fields(cls)})
+        # On 0.30 this runs on every step whose counters moved (the metrics diff them).
+        return cls(**{name: int(getattr(native, name, 0)) for name in _FIELD_NAMES})
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(BoundaryStoreStats))
