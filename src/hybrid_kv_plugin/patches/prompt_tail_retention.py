@@ -16,8 +16,9 @@ positions the policy keeps for the request's prompt
 method then retains, hashes and offers those blocks to a connector itself. With
 dense retention (``None``), an unbound manager or policy ``native`` the call is
 unchanged (an engine with neither option on binds its Mamba managers past this patch
-where they are already off inline storage: :mod:`hybrid_kv_plugin.inert_patches`). For one bound to ``mamba_output_checkpoint`` under retention 0, a decode
-step ending at an answer block end the option keeps names that position too
+where they are already off inline storage: :mod:`hybrid_kv_plugin.inert_patches`).
+For one bound to ``mamba_output_checkpoint`` under retention 0, a decode step ending
+at an answer block end the option keeps names that position too
 (:func:`hybrid_kv_plugin.output_checkpoint.rolling.retained_block_end`), and the
 block is recorded with the request's kept answer states, so the next kept
 boundary drops it (at most one extra state per running request, as for the
