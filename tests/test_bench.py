@@ -48,7 +48,7 @@ def _bench_children() -> list[int]:
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in-process"])
-def test_bench_command_reports_both_cases_structure(capsys, in_process):
+def test_bench_command_reports_both_cases_structure(capsys, in_process, adapter):
     from hybrid_kv_plugin.cli.main import main
 
     before = _bench_children()
@@ -60,7 +60,15 @@ def test_bench_command_reports_both_cases_structure(capsys, in_process):
     assert report["processes"] == ("this one" if in_process else "one per configuration")
     (case,) = report["cases"]
     assert (case["name"], case["requests"]) == ("default", 31)
-    assert set(case["configs"]) == {"stock", "plugin"}
+    # The default configurations: stock, the plugin, and the plugin with its divergence option,
+    # which 0.26-0.28 refuse at start-up (a row, no run, no ratio).
+    assert set(case["configs"]) == {"stock", "plugin", "plugin+divergence"}
+    if adapter.divergence_checkpoint_supported:
+        assert case["configs"]["plugin+divergence"]["ideal_tokens"] == 7824
+        assert "ratio_plugin+divergence_vs_stock" in case
+    else:
+        assert case["configs"]["plugin+divergence"]["refused"].endswith("(allowed here: false)")
+        assert "ratio_plugin+divergence_vs_stock" not in case
     stock = case["configs"]["stock"]
     assert set(stock) == {"requests", "steps", "ideal_tokens", "reused_tokens", "efficiency", "step_cpu_us", "step_floor_us"}
     assert stock["ideal_tokens"] == 7824

@@ -150,3 +150,18 @@ def test_the_cli_names_every_replay_configuration():
     from hybrid_kv_plugin.sim.configs import CONFIGS
 
     assert CONFIG_NAMES == tuple(CONFIGS)
+
+
+def test_the_help_names_the_default_configurations_a_run_uses(capsys):
+    """``replay --help`` states the configurations a run without ``--configs`` replays (it once said
+    ``stock,plugin`` while the run replayed stock at its best too)."""
+    from hybrid_kv_plugin.cli.args import choose_configs
+    from hybrid_kv_plugin.cli.main import console_main
+
+    assert console_main(["replay", "--help"]) == 0
+    help_text = "".join(capsys.readouterr().out.split())  # argparse wraps (also after hyphens)
+    default = ",".join(c.name for c in choose_configs(None, ()))
+    assert default == (
+        "stock,stock+retain-0,stock+retain-unit,stock+retain-block,stock+shared-prefix,plugin,plugin+divergence"
+    )
+    assert f"(default:{default},plusplugin+junctionwhenasegmentrunsEAGLE;" in help_text

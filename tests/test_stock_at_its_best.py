@@ -56,7 +56,7 @@ def test_every_stock_configuration_is_stock_vllm_and_the_default_run_compares_th
     ]
     assert all(not c.plugin and c.connector == CONFIGS["stock"].connector for c in STOCK_AT_ITS_BEST)
     chosen = [c.name for c in choose_configs(None, BRANCH)]
-    assert chosen == [*DEFAULT_STOCK_CONFIGS, "plugin"]
+    assert chosen == [*DEFAULT_STOCK_CONFIGS, "plugin", "plugin+divergence"]
     assert DEFAULT_STOCK_CONFIGS == (
         "stock", "stock+retain-0", "stock+retain-unit", "stock+retain-block", "stock+shared-prefix",
     )

@@ -19,6 +19,9 @@ CONFIG_NAMES = (
 # Stock at its best, in every default run: its retention knob at 0, the unit and the Mamba
 # block, and its native shared-prefix checkpoint (a row vLLM refuses costs no run).
 DEFAULT_STOCK_CONFIGS = ("stock", "stock+retain-0", "stock+retain-unit", "stock+retain-block", "stock+shared-prefix")
+# The plugin as installed, and with its opt-in that pays on every trace measured (docs/features.md):
+# a default run shows what switching it on would reuse (0.26-0.28 refuse it: a row, no run).
+DEFAULT_PLUGIN_CONFIGS = ("plugin", "plugin+divergence")
 COLD_REPLAY_CONFIGS = ("stock", "plugin", "plugin+tail-replay", "plugin+tail-both")
 
 
@@ -93,7 +96,7 @@ def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool
     if names is None and cold_replay:
         chosen = list(COLD_REPLAY_CONFIGS)
     elif names is None:
-        chosen = [*DEFAULT_STOCK_CONFIGS, "plugin"]
+        chosen = [*DEFAULT_STOCK_CONFIGS, *DEFAULT_PLUGIN_CONFIGS]
         if any(s.eagle for s in segments):
             chosen.append("plugin+junction")
     else:

@@ -16,9 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
     parser.add_argument(
         "--configs",
-        default="stock,plugin",
+        default="stock,plugin,plugin+divergence",
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)} (as in replay); the first is the baseline "
-        "of the ratios",
+        "of the ratios (default: stock,plugin,plugin+divergence)",
     )
     parser.add_argument(
         "--in-process",

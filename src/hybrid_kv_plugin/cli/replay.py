@@ -14,6 +14,8 @@ from typing import Any, TextIO
 from hybrid_kv_plugin.cli.args import (
     CONFIG_NAMES,
     COLD_REPLAY_CONFIGS,
+    DEFAULT_PLUGIN_CONFIGS,
+    DEFAULT_STOCK_CONFIGS,
     SETTINGS_FLAGS,
     add_geometry_arguments,
     choose_configs,
@@ -31,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, from {', '.join(CONFIG_NAMES)}; plugin+junction is the plugin with the "
         "mamba_shared_prefix_checkpoint switch on, plugin+tail-X the plugin with prompt_tail_checkpoint X, "
         "plugin+output-checkpoint the plugin with mamba_output_checkpoint on "
-        "(default: stock,plugin, plus plugin+junction when a segment runs EAGLE; with --cold-replay: "
-        f"{','.join(COLD_REPLAY_CONFIGS)})",
+        f"(default: {','.join((*DEFAULT_STOCK_CONFIGS, *DEFAULT_PLUGIN_CONFIGS))}, plus plugin+junction when "
+        f"a segment runs EAGLE; with --cold-replay: {','.join(COLD_REPLAY_CONFIGS)})",
     )
     parser.add_argument(
         "--cold-replay",
