@@ -70,6 +70,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
+        "same-step-partial-hit-source-unmarked",
+        "patches/same_step_partial_hits.py",
+        "        if key is not None and num_tokens > computed:\n",
+        # Marks only keys of positions already computed: the hit on this step's block is not deferred.
+        "        if key is not None and num_tokens <= computed:\n",
+        ("tests/test_reliability_regressions.py::test_partial_hit_on_a_block_this_step_writes_waits_a_step",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "async-load-landing-copy-not-reserved",
+        "patches/async_load_landing_reservation.py",
+        '        if getattr(manager, "mamba_cache_mode", None) == "align" and computed % manager.block_size:\n',
+        # Counts the copy only for loads landing on a block boundary, where none is needed.
+        '        if getattr(manager, "mamba_cache_mode", None) == "align" and not computed % manager.block_size:\n',
+        ("tests/test_reliability_regressions.py::test_load_landing_inside_a_mamba_block_reserves_its_copy",),
+        ("0.29.0", "0.30.0"),
+    ),
+    Mutant(
         "connector-path-hit-not-reconciled",
         "patches/connector_hit_reconcile.py",
         "        if len(set(hits)) <= 1:\n",

@@ -183,12 +183,13 @@ COPY_CHAIN_RUNS = {
     "0.26.0": (4_200, [(4127, "q416", 208, 240, 17), (4127, "q417", 208, 256, 5)]),  # as 0.29's
     "0.27.1": (4_200, [(4145, "q416", 208, 240, 6), (4145, "q417", 208, 256, 12)]),  # as 0.29's
     "0.28.0": (2_400, [(2261, "q225", 80, 96, 13)]),  # as 0.29's
-    "0.29.0": (2_400, [(2246, "q225", 80, 96, 14)]),  # finish-time stores pinned when sent
+    # 0.29+: with patch async_load_landing_reservation (a load's reservation moves the program).
+    "0.29.0": (2_400, [(2246, "q225", 80, 96, 13)]),  # finish-time stores pinned when sent
     # 0.30+: the same, through patch finish_store_pinning.
-    "0.30.0": (2_400, [(2256, "q225", 80, 96, 10)]),
-    "0.31.0": (2_400, [(2247, "q225", 80, 96, 17)]),
-    "0.32.0": (2_400, [(2265, "q225", 80, 96, 10)]),
-    "0.33.0": (2_400, [(2265, "q225", 80, 96, 10)]),
+    "0.30.0": (2_400, [(2251, "q225", 80, 96, 3)]),
+    "0.31.0": (2_400, [(2247, "q225", 80, 96, 12)]),
+    "0.32.0": (2_400, [(2268, "q225", 80, 96, 15)]),
+    "0.33.0": (2_400, [(2268, "q225", 80, 96, 15)]),
 }
 
 
@@ -214,3 +215,83 @@ def test_copy_chains_resolve_to_the_first_source():
     # 5 -> 17, then 17 -> 7 and 7 -> 9 in the same step; 3 -> 4 stands alone.
     chain = [Copy(5, 17), Copy(3, 4), Copy(17, 7), Copy(7, 9)]
     assert resolve_copy_chains(chain) == [Copy(5, 17), Copy(3, 4), Copy(5, 7), Copy(5, 9)]
+
+
+# Same-step partial hits (patches/same_step_partial_hits.py), found by the byte check: seed 2 of
+# ``plugin-divergence-fa64`` (attention block = Mamba block = 64, unit 16, every unit keyed) admits
+# a request in the step that computes tokens 64..112 of the prefix it shares; its hit of 80 ends
+# inside that block, and the copy-on-write copy of it runs before the forward pass writes it.
+# Per wheel: each zeroed read of the unpatched run as (step, request, hit, chunk end, block id).
+SAME_STEP_PARTIAL_HIT_STEPS = 2_200
+SAME_STEP_PARTIAL_HIT_READS = {
+    "0.29.0": [(2014, "q186", 80, 96, 8)],
+    "0.30.0": [(2048, "q186", 80, 96, 9)],
+    "0.31.0": [(2016, "q186", 80, 96, 8)],
+    "0.32.0": [(2027, "q186", 80, 96, 8)],
+    "0.33.0": [(2027, "q186", 80, 96, 8)],
+}
+
+
+def test_partial_hit_on_a_block_this_step_writes_waits_a_step(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import same_step_partial_hits
+    from hybrid_kv_plugin.registration import STATE
+
+    assert "same_step_partial_hits.defer" in {spec.name for spec in STATE.patch_set.specs}
+    if not adapter.divergence_checkpoint_supported:  # 0.26-0.28: the option (and the variant) is refused
+        assert "plugin-divergence-fa64" not in {v.name for v in variants(adapter)}
+        return
+    variant = _variant(adapter, "plugin-divergence-fa64")
+    counts, _, violations = soak(adapter, variant, SAME_STEP_PARTIAL_HIT_STEPS, seed=2)
+    assert violations == [] and counts.byte_violations == 0
+    assert counts.steps >= SAME_STEP_PARTIAL_HIT_STEPS
+    # Ablate the deferral (the plugin's rule, not vLLM code): the copy reads a zeroed block again.
+    monkeypatch.setattr(same_step_partial_hits, "unwritten_hit", lambda *args: False)
+    _, _, violations = soak(adapter, variant, SAME_STEP_PARTIAL_HIT_STEPS, seed=2)
+    assert violations == [_zeroed_read(*read) for read in SAME_STEP_PARTIAL_HIT_READS[adapter.version]]
+
+
+def test_store_check_accepts_keys_a_hit_adds_to_the_source_while_it_is_copied(plugin, adapter):
+    """vLLM 0.30+ publishes a CPU copy under the keys its GPU source carries when the store completes.
+    Seed 11 of ``plugin-divergence-fa64`` on 0.33.0: a full block is staged at step 5,777 under its
+    block key; at 5,778 another request's hit keys the same block at 16, 32 and 48 (prefixes of its own
+    content) before the store completes, and the copy is published under all four. The store check
+    (sim/invariants.py) once called those keys foreign; they are the source's own."""
+    if not adapter.has_native_fine_grained_cpu_hits:  # the 0.26-0.29 backport publishes the keys it staged
+        assert adapter.version < "0.30"
+        return
+    # The variant as the soak runs it (request ends ``auto``), the run that found it.
+    variant = next(v for v in variants(adapter) if v.name == "plugin-divergence-fa64")
+    counts, _, violations = soak(adapter, variant, 6_000, seed=11)
+    assert violations == [] and counts.byte_violations == 0
+    assert counts.steps >= 6_000 and counts.stores > 1_000
+
+
+# A load landing inside a Mamba block (patches/async_load_landing_reservation.py): per wheel, a seed of
+# ``plugin-divergence-fa64`` (as the soak runs it) whose program stalls without the landing reservation:
+# (seed, the requests left stuck, steps of the stalled run, steps of the fixed run).
+LANDING_SEEDS = {
+    "0.29.0": (11, "['q230', 'q231']", 8554, 10003),
+    "0.30.0": (2, "['q473', 'q474', 'q475']", 10653, 10046),
+    "0.31.0": (3, "['q417', 'q418', 'q419', 'q420', 'q421', 'q422']", 10541, 10001),
+    "0.32.0": (3, "['q805', 'q806', 'q807', 'q809', 'q810', 'q811', 'q813', 'q814', 'q815']", 14431, 10013),
+    "0.33.0": (25, "['q160', 'q162']", 7517, 10023),
+}
+
+
+def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import async_load_landing_reservation
+
+    installed = "async_load_landing_reservation" in {spec.name for spec in plugin.patch_set.specs}
+    assert installed == (adapter.first_waiting_queue_attr is not None)  # every wheel with the reservation
+    if not installed:  # 0.26-0.28 reserve nothing for async loads
+        assert adapter.version < "0.29"
+        return
+    seed, stuck, stalled_steps, fixed_steps = LANDING_SEEDS[adapter.version]
+    variant = next(v for v in variants(adapter) if v.name == "plugin-divergence-fa64")
+    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [] and counts.steps == fixed_steps
+    # Ablate the plugin's count (not vLLM code): two block holders wait for each other again.
+    monkeypatch.setattr(async_load_landing_reservation, "landing_copy_blocks", lambda manager, request: 0)
+    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps ({stuck} live)"] * 2
+    assert counts.steps == stalled_steps

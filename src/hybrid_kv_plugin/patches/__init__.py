@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
 from hybrid_kv_plugin.patches import (
+    async_load_landing_reservation,
     async_load_liveness,
     boundary_handoff_publish,
     connector_hit_reconcile,
@@ -48,6 +49,7 @@ from hybrid_kv_plugin.patches import (
     prompt_tail_retention,
     prompt_tail_split,
     same_step_copy_chains,
+    same_step_partial_hits,
     scheduler_plugin_config,
     step_stats_without_outputs,
     truncate_mamba_lookup,
@@ -89,7 +91,9 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     finish_store_pinning,
     offload_has_connector,
     async_load_liveness,
+    async_load_landing_reservation,
     same_step_copy_chains,
+    same_step_partial_hits,
     step_stats_without_outputs,
 )
 

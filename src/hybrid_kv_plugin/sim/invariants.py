@@ -14,6 +14,10 @@ changed) and :meth:`OffloadInvariants.check` asserts, once the engine is idle:
    completes, each CPU copy answers to the key its GPU source carried when the
    store was issued, and to no key the source did not carry (a copy published
    under a neighbour's key would serve another position's KV or Mamba state).
+   vLLM 0.30+ reads the source's keys at completion: a partial key another
+   request's hit added to the source meanwhile (a prefix ending inside it, no
+   longer than its primary key, the same content) is published too and is
+   allowed while the source still carries the primary key it was staged under.
 4. **Loads land where their hash says**: every loaded CPU block carries a key of
    the destination's group whose prefix boundary falls inside the destination
    block's token range; for a Mamba state block that boundary is the hit boundary
@@ -129,11 +133,18 @@ class OffloadInvariants:
 
     def _observe_completions(self, events: set[int]) -> None:
         """Store events that completed in this ``update_connector_output``: compare published keys."""
+        gpu_pool = self.engine.gpu_block_pool
         for event in sorted(events):
             for record in self._event_records.pop(event, []):
                 self.published_checked += 1
                 published = self._keys_of(self.cpu_pool, record.cpu_block_id)
-                foreign = [k for k in published if k not in record.source_keys]
+                # Keys the unchanged source gained since the store was issued (see 3. above).
+                gained = (
+                    self._keys_of(gpu_pool, record.gpu_block_id)
+                    if gpu_pool.blocks[record.gpu_block_id].block_hash == record.key
+                    else []
+                )
+                foreign = [k for k in published if k not in record.source_keys and k not in gained]
                 if record.key not in published or foreign:
                     self.violations.append(
                         f"step {self._step}: CPU block {record.cpu_block_id} (copy of GPU block {record.gpu_block_id}, "
