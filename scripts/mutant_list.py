@@ -88,6 +88,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.30.0"),
     ),
     Mutant(
+        "finish-store-keys-compared-by-value",
+        "patches/finish_store_pinning.py",
+        "    if block.block_hash is not primary:\n",
+        # An evicted block re-keyed with an equal key passes: its queued store copies a block being rewritten.
+        "    if block.block_hash != primary:\n",
+        ("tests/test_reliability_regressions.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "connector-path-hit-not-reconciled",
         "patches/connector_hit_reconcile.py",
         "        if len(set(hits)) <= 1:\n",
@@ -337,7 +346,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "finish-store-sent-after-its-block-was-evicted",
         "patches/finish_store_pinning.py",
-        "        kept = [block_keys(pool, pool.blocks[b]) == keys for b, keys in zip(ids, store.keys)]\n",
+        "        kept = [still_carries(pool, pool.blocks[b], keys) for b, keys in zip(ids, store.keys)]\n",
         "        kept = [True for keys in store.keys]\n",
         # A GPU block evicted since the request finished is copied anyway (its keys are gone).
         ("tests/test_output_checkpoint.py::test_queued_answer_store_is_sent_unless_its_block_was_reused[evicted-before-sent]",),

@@ -295,3 +295,36 @@ def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, mo
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps ({stuck} live)"] * 2
     assert counts.steps == stalled_steps
+
+
+# A finished request's queued store sent after its block was handed on (patches/finish_store_pinning.py):
+# per wheel, a seed of ``plugin-hybrid-tier-fa64`` (as the soak runs it) where a new request with the same
+# prefix re-keys the evicted block before the store is sent: (seed, the violation of the equal-keys check).
+REKEYED_SEEDS = {
+    "0.31.0": (25, "step 5580: store issued at step 5579: source GPU blocks [8] changed while it was in flight"),
+    "0.32.0": (25, "step 5608: store issued at step 5607: source GPU blocks [8] changed while it was in flight"),
+    "0.33.0": (25, "step 5608: store issued at step 5607: source GPU blocks [8] changed while it was in flight"),
+}
+
+
+def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import finish_store_pinning
+
+    installed = any(spec.name.startswith("finish_store_pinning.") for spec in plugin.patch_set.specs)
+    assert installed == adapter.has_native_fine_grained_cpu_hits  # 0.30+; the 0.29 backport pins when it sends
+    if not installed:
+        assert adapter.version < "0.30"
+        return
+    if adapter.version not in REKEYED_SEEDS:  # no seed of 0-120 re-keys a block before its store goes out
+        assert adapter.version == "0.30.0"
+        return
+    seed, violation = REKEYED_SEEDS[adapter.version]
+    variant = next(v for v in variants(adapter) if v.name == "plugin-hybrid-tier-fa64")
+    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
+    # Compare values, as before (the plugin's check, not vLLM code): the copy reads a block being rewritten.
+    monkeypatch.setattr(
+        finish_store_pinning, "still_carries", lambda pool, block, keys: finish_store_pinning.block_keys(pool, block) == keys
+    )
+    _, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [violation]
