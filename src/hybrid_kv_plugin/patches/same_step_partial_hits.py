@@ -1,4 +1,4 @@
-"""Patch the full-attention manager: a partial hit waits a step when its block is written by this step's forward pass.
+"""Patch the block pool and the KV-cache manager: a full-attention partial hit waits a step when its block is written by this step's forward pass.
 
 Why: a prefix-cache key is registered when a chunk is *scheduled*, before the
 forward pass writes it: vLLM keys the prompt tail of a chunk as it allocates it,
@@ -119,18 +119,19 @@ def _wrap_mark(original: Any) -> Any:
     return cache_partial_block
 
 
-def unwritten_local_hit(kv_cache_manager: Any, hit_tokens: int, new_computed_blocks: Any) -> bool:
-    """Whether a local hit of ``hit_tokens`` ends, in a full-attention group, inside a block this step writes there."""
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
+def unwritten_local_hit(kv_cache_manager: Any, hit_tokens: int, new_computed_blocks: Any, full_attention: type) -> bool:
+    """Whether a local hit of ``hit_tokens`` ends, in a ``full_attention`` group, inside a block this step writes there."""
     pool = kv_cache_manager.block_pool
     for manager, blocks in zip(kv_cache_manager.coordinator.single_type_managers, new_computed_blocks.blocks):
-        if blocks and isinstance(manager, FullAttentionManager) and unwritten_hit(blocks[-1], hit_tokens, manager.block_size, pool):
+        if blocks and isinstance(manager, full_attention) and unwritten_hit(blocks[-1], hit_tokens, manager.block_size, pool):
             return True
     return False
 
 
 def _wrap_defer(original: Any) -> Any:
+    # Resolved once at install, not on each allocation (the patch package imports no vLLM at discovery).
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
     @functools.wraps(original)
     def allocate_slots(
         self: Any,
@@ -144,7 +145,9 @@ def _wrap_defer(original: Any) -> Any:
         if (
             new_computed_blocks is not None
             and _WRITTEN_FROM
-            and unwritten_local_hit(self, request.num_computed_tokens + num_new_computed_tokens, new_computed_blocks)
+            and unwritten_local_hit(
+                self, request.num_computed_tokens + num_new_computed_tokens, new_computed_blocks, FullAttentionManager
+            )
         ):
             return None  # not this step: the scheduler tries again next step
         return original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs)
