@@ -81,9 +81,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-load-landing-copy-not-reserved",
         "patches/async_load_landing_reservation.py",
-        '        if getattr(manager, "mamba_cache_mode", None) == "align" and computed % manager.block_size:\n',
+        "            landing = [1 for r in requests if r.status is waiting_for_load and r.num_computed_tokens % block_size]\n",
         # Counts the copy only for loads landing on a block boundary, where none is needed.
-        '        if getattr(manager, "mamba_cache_mode", None) == "align" and not computed % manager.block_size:\n',
+        "            landing = [1 for r in requests if r.status is waiting_for_load and not r.num_computed_tokens % block_size]\n",
         ("tests/test_reliability_regressions.py::test_load_landing_inside_a_mamba_block_reserves_its_copy",),
         ("0.29.0", "0.30.0"),
     ),
@@ -115,8 +115,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "junction-split-stops-past-the-prompt",
         "junction/split.py",
-        "    stop = junction if start < junction < end and junction <= prompt else None\n",
-        "    stop = junction if start < junction < end else None\n",
+        "    return junction if start < junction < end and junction <= request.num_prompt_tokens else None\n",
+        "    return junction if start < junction < end else None\n",
         (JUNCTION_OUTSIDE,),
         ("0.29.0",),
     ),

@@ -291,7 +291,7 @@ def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, mo
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [] and counts.steps == fixed_steps
     # Ablate the plugin's count (not vLLM code): two block holders wait for each other again.
-    monkeypatch.setattr(async_load_landing_reservation, "landing_copy_blocks", lambda manager, request: 0)
+    monkeypatch.setattr(async_load_landing_reservation, "landing_copy_blocks", lambda manager, requests, status: 0)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps ({stuck} live)"] * 2
     assert counts.steps == stalled_steps

@@ -19,11 +19,12 @@ Pieces (the backport for vLLM 0.26-0.29; 0.30+ has it natively):
 
 from hybrid_kv_plugin.junction.coordinator import JunctionCoordinatorMixin, plan_of
 from hybrid_kv_plugin.junction.gate import JunctionPlan, junction_plan, lowered_tail, replay_boundaries
-from hybrid_kv_plugin.junction.split import junction_stop
+from hybrid_kv_plugin.junction.split import exact_junction_stop, junction_stop
 
 __all__ = [
     "JunctionCoordinatorMixin",
     "JunctionPlan",
+    "exact_junction_stop",
     "junction_plan",
     "junction_stop",
     "lowered_tail",

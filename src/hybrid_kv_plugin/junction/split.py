@@ -43,10 +43,9 @@ def junction_stop(
     if not plan.enabled:
         return None
     # Asked for every prefill chunk: no candidate list, and the cheap window test first.
-    prompt = request.num_prompt_tokens
-    junction = request.shared_prefix_boundary
-    stop = junction if start < junction < end and junction <= prompt else None
+    stop = exact_junction_stop(request, start, end)
     if plan.lowered_tail:
+        prompt = request.num_prompt_tokens
         tail = lowered_tail(prompt, hash_block_size)
         if (
             start < tail < end
@@ -55,3 +54,13 @@ def junction_stop(
         ):
             stop = tail
     return stop
+
+
+def exact_junction_stop(request: Any, start: int, end: int) -> int | None:
+    """The exact junction when it lies strictly inside ``(start, end)`` and inside the prompt, else ``None``.
+
+    The only stop :func:`junction_stop` adds without EAGLE (no lowered tail): callers
+    that know the plan has none ask this alone and read no geometry.
+    """
+    junction = request.shared_prefix_boundary
+    return junction if start < junction < end and junction <= request.num_prompt_tokens else None

@@ -68,13 +68,19 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
     )
 
 
-def landing_copy_blocks(kv_cache_manager: Any, request: Any) -> int:
-    """Blocks ``request``'s Mamba align groups will ask for once its in-flight load lands inside their blocks."""
-    computed = request.num_computed_tokens
+def landing_copy_blocks(kv_cache_manager: Any, requests: Any, waiting_for_load: Any) -> int:
+    """Blocks the Mamba align groups will ask for once the in-flight loads of ``requests`` land inside their blocks.
+
+    Only requests in status ``waiting_for_load`` count (a load that has landed is counted by
+    the wheel's own per-request need). Runs once per async admission over every in-flight
+    prefill, most of them running chunks: one comprehension per align group.
+    """
     extra = 0
     for manager in kv_cache_manager.coordinator.single_type_managers:
-        if getattr(manager, "mamba_cache_mode", None) == "align" and computed % manager.block_size:
-            extra += LANDING_COPY_BLOCKS
+        if getattr(manager, "mamba_cache_mode", None) == "align":
+            block_size = manager.block_size
+            landing = [1 for r in requests if r.status is waiting_for_load and r.num_computed_tokens % block_size]
+            extra += LANDING_COPY_BLOCKS * len(landing)
     return extra
 
 
@@ -89,9 +95,6 @@ def _wrap(original: Any) -> Any:
         config = getattr(self, "hybrid_kv_config", None)
         if config is not None and not config.async_load_liveness:
             return reserved
-        for request in self._inflight_prefills:
-            if request.status is waiting_for_load:
-                reserved += landing_copy_blocks(self.kv_cache_manager, request)
-        return reserved
+        return reserved + landing_copy_blocks(self.kv_cache_manager, self._inflight_prefills, waiting_for_load)
 
     return _inflight_prefill_reserved_blocks

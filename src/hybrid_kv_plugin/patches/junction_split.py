@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.junction import junction_stop, plan_of
 from hybrid_kv_plugin.adapters.capabilities import Feature
 from hybrid_kv_plugin.chunk_stop import SPLIT_PARAMS, SPLIT_TARGET, wrap_split
+from hybrid_kv_plugin.junction import exact_junction_stop, junction_stop, plan_of
+from hybrid_kv_plugin.junction.coordinator import SCHEDULER_PLAN_ATTR
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
@@ -61,10 +62,15 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 
 def _wrap(original: Any, adapter: VllmAdapter) -> Any:
+    eagle_drop_attr = adapter.scheduler_eagle_drop_attr
+
     def stop_at(scheduler: Any, request: Any, start: int, end: int) -> int | None:
-        plan = plan_of(scheduler)
+        # Bound at the end of the scheduler's constructor (inert_patches): read in place, once per chunk.
+        plan = scheduler.__dict__.get(SCHEDULER_PLAN_ATTR) or plan_of(scheduler)
         if not plan.enabled:
             return None
+        if not plan.lowered_tail:  # without EAGLE: the junction alone, no geometry read (every prefill chunk)
+            return exact_junction_stop(request, start, end)
         return junction_stop(
             plan,
             request,
@@ -72,7 +78,7 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
             end,
             block_size=scheduler.cache_config.block_size,
             hash_block_size=scheduler.hash_block_size,
-            eagle_drop=getattr(scheduler, adapter.scheduler_eagle_drop_attr),
+            eagle_drop=getattr(scheduler, eagle_drop_attr),
         )
 
     return wrap_split(original, stop_at)

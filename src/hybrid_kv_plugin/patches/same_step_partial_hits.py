@@ -105,12 +105,14 @@ def unwritten_hit(block: Any, hit_tokens: int, block_size: int, pool: Any) -> bo
 
 def _wrap_mark(original: Any) -> Any:
     @functools.wraps(original)
-    def cache_partial_block(self: Any, request: Any, block: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        key = original(self, request, block, num_tokens, *args, **kwargs)
+    def cache_partial_block(
+        self: Any, request: Any, block: Any, num_tokens: int, kv_cache_group_id: int, block_size: int,
+        *args: Any, **kwargs: Any,
+    ) -> Any:
+        key = original(self, request, block, num_tokens, kv_cache_group_id, block_size, *args, **kwargs)
         computed = request.num_computed_tokens
         if key is not None and num_tokens > computed:
-            block_size = kwargs["block_size"] if "block_size" in kwargs else args[1]
-            start = max(computed, num_tokens // block_size * block_size)
+            start = max(computed, num_tokens - num_tokens % block_size)
             marks = _WRITTEN_FROM.setdefault(id(self), {})
             if marks.get(block.block_id, start) >= start:
                 marks[block.block_id] = start
@@ -142,9 +144,10 @@ def _wrap_defer(original: Any) -> Any:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        # Most calls find no block marked this step (one dict test) or carry no new hit.
         if (
-            new_computed_blocks is not None
-            and _WRITTEN_FROM
+            _WRITTEN_FROM
+            and new_computed_blocks is not None
             and unwritten_local_hit(
                 self, request.num_computed_tokens + num_new_computed_tokens, new_computed_blocks, FullAttentionManager
             )
@@ -158,7 +161,8 @@ def _wrap_defer(original: Any) -> Any:
 def _wrap_forget(original: Any) -> Any:
     @functools.wraps(original)
     def new_step_starts(self: Any) -> None:
-        _WRITTEN_FROM.pop(id(self.block_pool), None)
+        if _WRITTEN_FROM:
+            _WRITTEN_FROM.pop(id(self.block_pool), None)
         return original(self)
 
     return new_step_starts
