@@ -138,13 +138,11 @@ class OffloadInvariants:
             for record in self._event_records.pop(event, []):
                 self.published_checked += 1
                 published = self._keys_of(self.cpu_pool, record.cpu_block_id)
-                # Keys the unchanged source gained since the store was issued (see 3. above).
-                gained = (
-                    self._keys_of(gpu_pool, record.gpu_block_id)
-                    if gpu_pool.blocks[record.gpu_block_id].block_hash == record.key
-                    else []
-                )
-                foreign = [k for k in published if k not in record.source_keys and k not in gained]
+                foreign = [k for k in published if k not in record.source_keys]
+                if foreign and gpu_pool.blocks[record.gpu_block_id].block_hash == record.key:
+                    # Keys the unchanged source gained since the store was issued (see 3. above).
+                    gained = self._keys_of(gpu_pool, record.gpu_block_id)
+                    foreign = [k for k in foreign if k not in gained]
                 if record.key not in published or foreign:
                     self.violations.append(
                         f"step {self._step}: CPU block {record.cpu_block_id} (copy of GPU block {record.gpu_block_id}, "
