@@ -357,7 +357,8 @@ def test_full_store_keeps_the_newest_and_misses_the_evicted_cleanly(cluster):
     assert (first["num_cached_tokens"], first["external_hits"]) == (0, 0)
     b2 = cluster["full", "b2 growth"]
     assert b2["keys_absent"] > 0 and b2["keys_found"] == b2["blocks_installed"] > 0
-    assert (b2["lookup_errors"], b2["lookup_timeouts"], b2["breaker_trips"], b2["lookups_skipped"]) == (0, 0, 0, 0)
+    # The whole growth on failure: a trip without a lookup error or timeout comes from B2's own puts.
+    assert (b2["lookup_errors"], b2["lookup_timeouts"], b2["breaker_trips"], b2["lookups_skipped"]) == (0, 0, 0, 0), b2
     reference = cluster["full", "last reference"]
     assert reference["num_cached_tokens"] == FULL_HIT
     assert (last["token_ids"], last["logprobs"]) == (reference["token_ids"], reference["logprobs"])
