@@ -71,11 +71,29 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "same-step-partial-hit-source-unmarked",
-        "patches/same_step_partial_hits.py",
+        "patches/local_hit_admission.py",
         "        if key is not None and num_tokens > computed:\n",
         # Marks only keys of positions already computed: the hit on this step's block is not deferred.
         "        if key is not None and num_tokens <= computed:\n",
         ("tests/test_reliability_regressions.py::test_partial_hit_on_a_block_this_step_writes_waits_a_step",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "hit-never-fits-null-block-counted-free",
+        "patches/local_hit_admission.py",
+        "    return block_pool.get_num_free_blocks() >= block_pool.num_gpu_blocks - 1\n",
+        # Counts the null block as one that could be free: an empty pool never looks empty.
+        "    return block_pool.get_num_free_blocks() >= block_pool.num_gpu_blocks\n",
+        ("tests/test_hit_never_fits.py::test_plugin_recomputes_b_without_the_hit",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "hit-never-fits-drops-any-refused-hit",
+        "patches/local_hit_admission.py",
+        "        if blocks is None and num_new_computed_tokens and pool_is_empty(self.block_pool):\n",
+        # Drops the hit of any refused request, also one that waits only for others to finish.
+        "        if blocks is None and num_new_computed_tokens:\n",
+        ("tests/test_hit_never_fits.py::test_plugin_keeps_a_hit_refused_while_another_request_runs",),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(

@@ -205,6 +205,7 @@ def test_master_down_lookup_expires_and_breaker_opens():
         counters = tier.counters()
         assert (counters.lookups, counters.lookup_timeouts, counters.lookups_skipped) == (1, 1, 1)
         assert (counters.breaker_trips, counters.puts_dropped) == (1, 1)
+        assert tier.last_failure == "lookup unfinished after 0.5 s"
         store.hang.clear()
         store.release.set()
         _wait(job.done.is_set, "the stuck call returned")
@@ -228,6 +229,7 @@ def test_failed_put_opens_the_breaker_and_full_queue_drops():
         _wait(lambda: tier.counters().put_failures == 1, "the put failed")
         assert not tier.available()
         assert tier.counters().breaker_trips == 1
+        assert tier.last_failure == "put failed: -900"  # the store's own code, named in the warning
         clock.now += 2.0
         store.hang.clear()
         gate = threading.Event()

@@ -40,7 +40,7 @@ REMOVAL_NOTES = {
     "async_load_liveness": "not yet (present up to 0.33.0)",
     "async_load_landing_reservation": "not yet (present up to 0.33.0)",
     "same_step_copy_chains": "not yet (present up to 0.33.0)",
-    "same_step_partial_hits": "not yet (present up to 0.33.0)",
+    "local_hit_admission": "not yet (present up to 0.33.0)",
     "step_stats_without_outputs": "0.28.0",
 }
 
@@ -91,40 +91,40 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains", "same_step_partial_hits", "step_stats_without_outputs",
+        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains", "same_step_partial_hits", "step_stats_without_outputs",
+        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "same_step_copy_chains", "same_step_partial_hits",
+        "boundary_handoff_publish", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",
         "prompt_tail_manager", "prompt_tail_attention", "divergence_attention_keys", "output_checkpoint_bind",
-        "divergence_bind", "output_checkpoint_manager", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "same_step_partial_hits",
+        "divergence_bind", "output_checkpoint_manager", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.30.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "same_step_partial_hits",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "same_step_partial_hits",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "same_step_partial_hits",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "same_step_partial_hits",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
 }
 

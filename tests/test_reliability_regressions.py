@@ -217,7 +217,7 @@ def test_copy_chains_resolve_to_the_first_source():
     assert resolve_copy_chains(chain) == [Copy(5, 17), Copy(3, 4), Copy(5, 7), Copy(5, 9)]
 
 
-# Same-step partial hits (patches/same_step_partial_hits.py), found by the byte check: seed 2 of
+# Same-step partial hits (patches/local_hit_admission.py), found by the byte check: seed 2 of
 # ``plugin-divergence-fa64`` (attention block = Mamba block = 64, unit 16, every unit keyed) admits
 # a request in the step that computes tokens 64..112 of the prefix it shares; its hit of 80 ends
 # inside that block, and the copy-on-write copy of it runs before the forward pass writes it.
@@ -233,10 +233,10 @@ SAME_STEP_PARTIAL_HIT_READS = {
 
 
 def test_partial_hit_on_a_block_this_step_writes_waits_a_step(plugin, adapter, monkeypatch):
-    from hybrid_kv_plugin.patches import same_step_partial_hits
+    from hybrid_kv_plugin.patches import local_hit_admission
     from hybrid_kv_plugin.registration import STATE
 
-    assert "same_step_partial_hits.defer" in {spec.name for spec in STATE.patch_set.specs}
+    assert "local_hit_admission.admit" in {spec.name for spec in STATE.patch_set.specs}
     if not adapter.divergence_checkpoint_supported:  # 0.26-0.28: the option (and the variant) is refused
         assert "plugin-divergence-fa64" not in {v.name for v in variants(adapter)}
         return
@@ -245,7 +245,7 @@ def test_partial_hit_on_a_block_this_step_writes_waits_a_step(plugin, adapter, m
     assert violations == [] and counts.byte_violations == 0
     assert counts.steps >= SAME_STEP_PARTIAL_HIT_STEPS
     # Ablate the deferral (the plugin's rule, not vLLM code): the copy reads a zeroed block again.
-    monkeypatch.setattr(same_step_partial_hits, "unwritten_hit", lambda *args: False)
+    monkeypatch.setattr(local_hit_admission, "unwritten_hit", lambda *args: False)
     _, _, violations = soak(adapter, variant, SAME_STEP_PARTIAL_HIT_STEPS, seed=2)
     assert violations == [_zeroed_read(*read) for read in SAME_STEP_PARTIAL_HIT_READS[adapter.version]]
 

@@ -117,6 +117,7 @@ def main(model_dir: str, store_options: str, additional_config: str) -> None:
                 "store": asdict(connector.store_counters()),
                 "outcomes": connector.get_boundary_store_stats().as_dict(),
                 "available": connector.store_tier.available(),
+                "last_failure": connector.store_tier.last_failure,
             }
         elif op == "exit":
             llm.llm_engine.engine_core.shutdown()

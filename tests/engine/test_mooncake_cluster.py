@@ -227,7 +227,9 @@ def _store_full(runs: dict, b2: Engine, start) -> None:
     runs["full", "last"] = b2.generate(prompts[-1], MAX_TOKENS)
     runs["full", "last lookups"] = b2.call(op="counters")["store"]["lookups"] - before["lookups"]
     runs["full", "first"] = b2.generate(prompts[0], MAX_TOKENS)
-    runs["full", "b2 growth"] = {k: v - before[k] for k, v in b2.call(op="counters")["store"].items()}
+    b2_after = b2.call(op="counters")
+    runs["full", "b2 growth"] = {k: v - before[k] for k, v in b2_after["store"].items()}
+    runs["full", "b2 last failure"] = b2_after["last_failure"]
     runs["full", "last uncached"] = b2.generate(prompts[-1], MAX_TOKENS, salt="full-last-uncached")
     runs["full", "first uncached"] = b2.generate(prompts[0], MAX_TOKENS, salt="full-first-uncached")
     runs["full", "last reference"] = b2.call(
@@ -358,7 +360,10 @@ def test_full_store_keeps_the_newest_and_misses_the_evicted_cleanly(cluster):
     b2 = cluster["full", "b2 growth"]
     assert b2["keys_absent"] > 0 and b2["keys_found"] == b2["blocks_installed"] > 0
     # The whole growth on failure: a trip without a lookup error or timeout comes from B2's own puts.
-    assert (b2["lookup_errors"], b2["lookup_timeouts"], b2["breaker_trips"], b2["lookups_skipped"]) == (0, 0, 0, 0), b2
+    assert (b2["lookup_errors"], b2["lookup_timeouts"], b2["breaker_trips"], b2["lookups_skipped"]) == (0, 0, 0, 0), (
+        b2,
+        cluster["full", "b2 last failure"],
+    )
     reference = cluster["full", "last reference"]
     assert reference["num_cached_tokens"] == FULL_HIT
     assert (last["token_ids"], last["logprobs"]) == (reference["token_ids"], reference["logprobs"])

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import queue
 import struct
 import threading
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _HEADER = struct.Struct("<q")
+logger = logging.getLogger("hybrid_kv_plugin.mooncake_store")
 # Mooncake's NO_AVAILABLE_HANDLE: no segment has room for the object. Measured (0.3.13.post1,
 # default master): the master then evicts 5% of its objects, oldest first, and a retry 10-25 ms
 # later lands.
@@ -107,6 +109,7 @@ class StoreTier:
         self._counters = StoreCounters()
         self._client: Any = None
         self._open_until = 0.0
+        self.last_failure = ""  # why the breaker last opened, for the log and for tests
         self._closed = threading.Event()
         self._puts: queue.Queue = queue.Queue(maxsize=max_queued_puts)
         self._lookups: queue.Queue = queue.Queue()
@@ -135,11 +138,13 @@ class StoreTier:
         """The client is set up and the breaker is closed."""
         return self._client is not None and self._clock() >= self._open_until
 
-    def trip(self) -> None:
+    def trip(self, reason: str) -> None:
         """Stop using the store for ``retry_s`` (a failure or a lookup past its deadline)."""
         with self._lock:
             self._open_until = self._clock() + self.retry_s
             self._counters.breaker_trips += 1
+            self.last_failure = reason
+        logger.warning("hybrid-kv-plugin: Mooncake store unused for %.1f s: %s", self.retry_s, reason)
 
     # ------------------------------------------------------------------ puts
     def offer(self, items: list[tuple[list[tuple[str, int | None]], Callable[[], bytes]]], release: Callable[[], None]) -> bool:
@@ -181,11 +186,12 @@ class StoreTier:
                 continue
             try:
                 codes = [self._put_waiting_for_room(key, encode(num_tokens, payload)) for key, num_tokens in keys]
-            except Exception:  # noqa: BLE001 - any client error is a store failure, never the engine's
-                codes = [None]
-            if any(code not in (0, STORE_FULL) for code in codes):
+            except Exception as err:  # noqa: BLE001 - any client error is a store failure, never the engine's
+                codes = [repr(err)]
+            failed = [code for code in codes if code not in (0, STORE_FULL)]
+            if failed:
                 self._count(put_failures=1)
-                self.trip()
+                self.trip(f"put failed: {failed[0]}")
             elif STORE_FULL in codes:
                 self._count(puts_store_full=1)
             else:
@@ -219,7 +225,7 @@ class StoreTier:
         if job.done.is_set() or self._clock() - job.started < self.lookup_timeout_s:
             return False
         self._count(lookup_timeouts=1)
-        self.trip()
+        self.trip(f"lookup unfinished after {self.lookup_timeout_s:.1f} s")
         return True
 
     def _lookup_loop(self) -> None:
@@ -234,7 +240,7 @@ class StoreTier:
                 job.error = repr(err)
             if job.error:
                 self._count(lookup_errors=1)
-                self.trip()
+                self.trip(f"lookup failed: {job.error}")
             job.done.set()
 
     def _fetch(self, job: LookupJob) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
@@ -100,8 +101,21 @@ class StagedBlock(NamedTuple):
 # ``StagedBlock((gpu_block_id, keys, token_ids))`` without the Python-level ``__new__``
 # of a NamedTuple (one frame per staged block).
 _new_staged_block = functools.partial(tuple.__new__, StagedBlock)
+# ScanState.scan_from of a request with no positionally stable group: nothing to scan, ever.
+_NEVER = 1 << 62
 # The KVCacheBlock slots the per-block loops read (see the module docstring).
 HASH_SLOTS = ("_block_hash", "_block_hash_num_tokens")
+
+
+@dataclass
+class ScanState(StoreRequestState):
+    """The wheel's per-request store state, plus how far the request must compute before the
+    per-step scan can confirm another block: below ``scan_from`` computed tokens (output
+    placeholders excluded) it stages nothing, so it is not run (most decode steps).
+    ``scan_from`` is the least ``(cursor + 1) * block size`` over the positionally stable
+    groups after the last scan, or 0 (scan now): the scan's first new block ends there."""
+
+    scan_from: int = 0
 
 
 class StoreBatch:
@@ -262,7 +276,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         req_id = request.request_id
         table = blocks.get_block_ids()
         if not self._lazy_mode and req_id not in self._reqs_to_store:
-            self._reqs_to_store[req_id] = StoreRequestState(
+            self._reqs_to_store[req_id] = ScanState(
                 request=request, block_ids=tuple([[] for _ in table]), num_stored_blocks=[0] * len(table)
             )
         pending = self._pending_cpu_hits.pop(req_id, None)
@@ -352,21 +366,26 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
 
     def _scan_confirmed(
         self, request: Any, table: Sequence[Sequence[int]], cursors: list[int], batch: StoreBatch
-    ) -> None:
+    ) -> int:
         """Stage confirmed blocks of the positionally stable groups, advancing ``cursors`` (one per group).
 
-        Runs for every running request each step, so the admission test of
-        :meth:`_admission` (only "may be stored" matters here) and :meth:`_stage`
-        are inlined.
+        Returns the computed-token count below which the next scan stages nothing
+        (:attr:`ScanState.scan_from`; 0 when it stopped for CPU space). Runs for every
+        running request each step, so the admission test of :meth:`_admission` (only
+        "may be stored" matters here) and :meth:`_stage` are inlined.
         """
         unit = self._store_unit
         reachable = (request.num_computed_tokens - request.num_output_placeholders) // unit * unit
+        scan_from = _NEVER
         for g in self._positional_groups:
             ids = table[g]
             size = self.group_block_sizes[g]
             start = cursors[g]
             stop = min(len(ids), reachable // size)
             if stop <= start:
+                # Nothing new here until the block after the cursor is reachable (sizes are unit multiples).
+                if (start + 1) * size < scan_from:
+                    scan_from = (start + 1) * size
                 continue
             pool = self._gpu_block_pool
             assert pool is not None
@@ -393,7 +412,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                     continue
                 if len(staged) >= batch.room:
                     cursors[g] = index
-                    return  # out of CPU space: retry from here next step
+                    return 0  # out of CPU space: retry from here next step
                 if block_id in secondary_keys:
                     keys = self._keys_of(block)
                 else:
@@ -405,6 +424,9 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 # Claimed now, so a second request sharing this block does not stage it again.
                 in_flight.add(block_id)
             cursors[g] = stop
+            if (stop + 1) * size < scan_from:
+                scan_from = (stop + 1) * size
+        return scan_from
 
     def _take_boundary_handoffs(self, scheduler_output: Any, batch: StoreBatch) -> None:
         """Admit (or count the refusal of) every Mamba boundary hand-off of this step."""
@@ -478,14 +500,18 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             if resumed:  # preempted and rescheduled: the block table starts over
                 state.block_ids = table = tuple([[] for _ in table])
                 state.num_stored_blocks = [0] * len(table)
+                state.scan_from = 0
             if new_ids:
                 for g, ids in enumerate(new_ids):
                     if ids and g < len(table):
                         table[g].extend(ids)
             if not scheduled.get(req_id, 0):
                 continue
+            request = state.request
+            if request.num_computed_tokens - request.num_output_placeholders < state.scan_from:
+                continue  # no block of it can be confirmed yet (most decode steps)
             before = len(staged)
-            self._scan_confirmed(state.request, table, state.num_stored_blocks, batch)
+            state.scan_from = self._scan_confirmed(request, table, state.num_stored_blocks, batch)
             if len(staged) > before and req_id not in batch.req_ids:
                 batch.req_ids.append(req_id)
         return batch

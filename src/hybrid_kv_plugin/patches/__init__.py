@@ -35,6 +35,7 @@ from hybrid_kv_plugin.patches import (
     finish_store_pinning,
     junction_coordinator,
     junction_split,
+    local_hit_admission,
     mamba_allocated_mark,
     mamba_boundary_handoffs,
     nixl_exchange_clip,
@@ -49,7 +50,6 @@ from hybrid_kv_plugin.patches import (
     prompt_tail_retention,
     prompt_tail_split,
     same_step_copy_chains,
-    same_step_partial_hits,
     scheduler_plugin_config,
     step_stats_without_outputs,
     truncate_mamba_lookup,
@@ -93,7 +93,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     async_load_liveness,
     async_load_landing_reservation,
     same_step_copy_chains,
-    same_step_partial_hits,
+    local_hit_admission,
     step_stats_without_outputs,
 )
 

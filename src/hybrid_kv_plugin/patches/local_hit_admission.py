@@ -1,5 +1,6 @@
-"""Patch the block pool and the KV-cache manager: a full-attention partial hit waits a step when its block is written by this step's forward pass.
+"""Patch the block pool and the KV-cache manager: two rules for admitting a request with a local prefix hit.
 
+**A partial hit on a block this step writes waits a step.**
 Why: a prefix-cache key is registered when a chunk is *scheduled*, before the
 forward pass writes it: vLLM keys the prompt tail of a chunk as it allocates it,
 and ``mamba_divergence_checkpoint`` keys every prefix-match unit the same way. A
@@ -15,6 +16,18 @@ own prompt-tail key (two requests with one prompt admitted in consecutive
 scheduling passes of one step). The Mamba manager already defers a hit on a state
 cached in the same step (``cached_blocks_this_step``); the attention managers do not.
 
+**A hit that cannot fit even in an empty pool is dropped.**
+Why: vLLM admits a waiting request only if its whole sequence fits
+(``scheduler_reserve_full_isl``, on by default), counted *with* its local hit, and
+a hit ending inside a Mamba block costs that group more blocks than no hit (the
+copy-on-write source, the private copy and the prefill checkpoint). Near
+``max_model_len`` on a small pool a request then fits without its hit and never
+with it: the scheduler finds the same hit every step, the request never fits, and
+under FCFS every request behind it waits too - the engine hangs with nothing
+running (``tests/test_hit_never_fits.py``: a 383-token request extending a 49-token
+one, 64-token blocks, 10-block pool, on every wheel). Found by the randomized soak
+(``plugin`` with 64-token attention blocks, seed 39, 0.32.0 and 0.33.0).
+
 What it changes (three attributes, installed together):
 
 * ``BlockPool.cache_partial_block``: after the wheel's method, a key registered for
@@ -23,25 +36,33 @@ What it changes (three attributes, installed together):
 * ``KVCacheManager.allocate_slots``: a request whose local hit ends inside such a
   block of a full-attention group, past that position, is not allocated this step
   (the answer the scheduler gets when blocks run short), so it is admitted a step
-  later, when the copy reads written KV; every other call runs the wheel's method;
+  later, when the copy reads written KV. When the wheel's method refuses a request
+  that brought a local hit while every block of the pool is free (nothing holds
+  one, so no later step has more room), the request stops reading the prefix cache
+  (``request.skip_reading_prefix_cache``, vLLM's own switch for requests that must
+  recompute): it is admitted on the next step and computed in full, its blocks
+  still cached for others; a warning says so once;
 * ``KVCacheManager.new_step_starts``: forgets the marks (the scheduler calls it
   before each step's allocations).
 
 A deferred request waits at most one step (its block is written by then). Sliding
 window and chunked local attention managers are subclasses of the full-attention
-one and get the same rule. The check sits in ``allocate_slots`` (about two calls a
-step) rather than in the managers' block count (about thirteen).
+one and get the same rule. Both checks sit in one ``allocate_slots`` wrapper (about
+two calls a step) rather than in the managers' block count (about thirteen) or in
+a second wrapper (+29 bytecodes a step on 0.29's bench).
 
-Upstream: none yet (vLLM 0.33 registers the prompt-tail key at scheduling time and
-copies partial hits before the forward pass); installed on every wheel 0.26.0-0.33.x
-(removed in: none yet).
+Upstream: none yet for either (vLLM 0.33 registers the prompt-tail key at scheduling
+time, copies partial hits before the forward pass, and counts a partial Mamba hit's
+extra blocks at admission); installed on every wheel 0.26.0-0.33.x (removed in: none yet).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
 
 if TYPE_CHECKING:
@@ -49,7 +70,8 @@ if TYPE_CHECKING:
 
 POOL = "vllm.v1.core.block_pool:BlockPool"
 KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager:KVCacheManager"
-# Every supported wheel keys partial attention blocks at scheduling time and copies partial hits.
+# Every supported wheel keys partial attention blocks at scheduling time, copies partial hits and
+# admits a waiting request by its whole sequence, hit included.
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "vllm_fix"
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
@@ -63,29 +85,30 @@ _WRITTEN_FROM: dict[int, dict[int, int]] = {}
 def specs(adapter: VllmAdapter) -> list[PatchSpec]:
     """The three targets of this patch, installed together (with every other patch, or none)."""
     common = dict(
-        why="a partial hit's copy-on-write copy runs before the forward pass that writes its source block",
+        why="a partial hit's copy-on-write copy runs before the forward pass that writes its source block, "
+        "and a hit that makes a request too large for the whole pool is refused forever",
         upstream="none yet",
     )
     return [
         PatchSpec(
-            name="same_step_partial_hits.mark",
+            name="local_hit_admission.mark",
             target=f"{POOL}.cache_partial_block",
             fingerprint=Fingerprint(params=("self", "request", "block", "num_tokens", "kv_cache_group_id", "block_size")),
             build=_wrap_mark,
             **common,
         ),
         PatchSpec(
-            name="same_step_partial_hits.defer",
+            name="local_hit_admission.admit",
             target=f"{KV_CACHE_MANAGER}.allocate_slots",
             fingerprint=Fingerprint(
                 params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
                 owner_attrs=("new_step_starts",),
             ),
-            build=_wrap_defer,
+            build=_wrap_admit,
             **common,
         ),
         PatchSpec(
-            name="same_step_partial_hits.forget",
+            name="local_hit_admission.forget",
             target=f"{KV_CACHE_MANAGER}.new_step_starts",
             fingerprint=Fingerprint(params=("self",), exact=True),
             build=_wrap_forget,
@@ -130,7 +153,22 @@ def unwritten_local_hit(kv_cache_manager: Any, hit_tokens: int, new_computed_blo
     return False
 
 
-def _wrap_defer(original: Any) -> Any:
+def pool_is_empty(block_pool: Any) -> bool:
+    """No request holds a block: every block but the null one is free (cached ones included)."""
+    return block_pool.get_num_free_blocks() >= block_pool.num_gpu_blocks - 1
+
+
+def read_no_cache(request: Any) -> None:
+    """From now on ``request`` is computed without prefix-cache hits (its blocks are still cached)."""
+    request.skip_reading_prefix_cache = True
+    log_once(
+        logging.WARNING,
+        "hybrid-kv-plugin: a request's prefix-cache hit needs more KV blocks than the whole pool holds; "
+        "such requests are recomputed without the cache (raise the KV cache size or lower max_model_len)",
+    )
+
+
+def _wrap_admit(original: Any) -> Any:
     # Resolved once at install, not on each allocation (the patch package imports no vLLM at discovery).
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
@@ -153,7 +191,10 @@ def _wrap_defer(original: Any) -> Any:
             )
         ):
             return None  # not this step: the scheduler tries again next step
-        return original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs)
+        blocks = original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs)
+        if blocks is None and num_new_computed_tokens and pool_is_empty(self.block_pool):
+            read_no_cache(request)
+        return blocks
 
     return allocate_slots
 
