@@ -23,10 +23,12 @@ def test_doctor_table_matches_adapter(adapter, capsys, monkeypatch):
     verdicts = {f["feature"]: f["support"] for f in report["features"]}
     supports = tuple(verdicts[k] for k in ("fine_grained_cpu_hits", "mamba_shared_prefix_checkpoint", "nixl_ssm_slot_pairing"))
     assert supports == tuple(s.value for s in CAPABILITY_TABLE[adapter.version])
-    # The plugin's own options: their patches go in from 0.29 on (async_load_liveness: the 0.29 scheduler's fix).
+    # The plugin's own options: their patches go in from 0.29 on; async_load_liveness's landing
+    # reservation on every wheel (its failed-load half from 0.29).
     opt_in = "plugin" if adapter.version >= "0.29" else "unavailable"
-    for key in ("prompt_tail_checkpoint", "mamba_output_checkpoint", "mamba_divergence_checkpoint", "async_load_liveness"):
+    for key in ("prompt_tail_checkpoint", "mamba_output_checkpoint", "mamba_divergence_checkpoint"):
         assert verdicts[key] == opt_in
+    assert verdicts["async_load_liveness"] == "plugin"
     assert [p["name"] for p in report["patches"]] == [s.name for s in patch_specs(adapter)]
 
 

@@ -91,15 +91,15 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
+        "mamba_allocated_mark", "boundary_handoff_publish", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
+        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "same_step_copy_chains", "local_hit_admission",
+        "boundary_handoff_publish", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_split",

@@ -73,9 +73,9 @@ ORDER_SEEDS = {
 }
 
 
-# 0.26-0.28 reserve no blocks for async loads (added in 0.29): 0.29's deadlocking program, cut to
-# 2,000 steps, fails loads there too and still runs to idle, the plugin's switch off or on (it
-# installs nothing). (variant, seed, steps, figures: steps, requests, failed loads)
+# 0.26-0.28 reserve for async loads too, but 0.29's deadlocking program, cut to 2,000 steps, fails
+# loads there and still runs to idle, the plugin's switch off or on (no failed-load patch goes in;
+# the landing reservation below does). (variant, seed, steps, figures: steps, requests, failed loads)
 NO_RESERVATION_RUNS = {
     "0.26.0": ("passthrough-full-attention", 0, 2_000, (2005, 215, 6)),
     "0.27.1": ("passthrough-full-attention", 0, 2_000, (2005, 215, 6)),
@@ -85,7 +85,7 @@ NO_RESERVATION_RUNS = {
 
 @pytest.fixture
 def deadlock_seed(adapter):
-    """The wheel's deadlocking program, or None where loads reserve nothing (0.26-0.28)."""
+    """The wheel's deadlocking program, or None where failed loads leave no stale reservation (0.26-0.28)."""
     assert (adapter.first_waiting_queue_attr is None) == (adapter.version in NO_RESERVATION_RUNS)
     return DEADLOCK_SEEDS.get(adapter.version)
 
@@ -123,7 +123,7 @@ def test_queue_order_half_is_needed(plugin, adapter, deadlock_seed, monkeypatch)
     """Dropping stale reservations alone still strands a finished load behind a block-less head."""
     from hybrid_kv_plugin.patches import async_load_liveness
 
-    if deadlock_seed is None:  # no reservations, no patch: nothing to ablate
+    if deadlock_seed is None:  # no stale reservations, no patch: nothing to ablate
         assert "async_load_liveness" not in [spec.name for spec in plugin.patch_set.specs]
         return
     name, seed, steps, stuck = ORDER_SEEDS[adapter.version]
@@ -267,9 +267,13 @@ def test_store_check_accepts_keys_a_hit_adds_to_the_source_while_it_is_copied(pl
 
 
 # A load landing inside a Mamba block (patches/async_load_landing_reservation.py): per wheel, a seed of
-# ``plugin-divergence-fa64`` (as the soak runs it) whose program stalls without the landing reservation:
+# ``plugin-divergence-fa64`` (as the soak runs it; 0.26-0.28, which have no divergence states:
+# ``plugin`` with 64-token attention blocks) whose program stalls without the landing reservation:
 # (seed, the requests left stuck, steps of the stalled run, steps of the fixed run).
 LANDING_SEEDS = {
+    "0.26.0": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6752, 10003),
+    "0.27.1": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6758, 10002),
+    "0.28.0": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6757, 10001),
     "0.29.0": (11, "['q230', 'q231']", 8554, 10003),
     "0.30.0": (2, "['q473', 'q474', 'q475']", 10653, 10046),
     "0.31.0": (3, "['q417', 'q418', 'q419', 'q420', 'q421', 'q422']", 10541, 10001),
@@ -281,13 +285,13 @@ LANDING_SEEDS = {
 def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, monkeypatch):
     from hybrid_kv_plugin.patches import async_load_landing_reservation
 
-    installed = "async_load_landing_reservation" in {spec.name for spec in plugin.patch_set.specs}
-    assert installed == (adapter.first_waiting_queue_attr is not None)  # every wheel with the reservation
-    if not installed:  # 0.26-0.28 reserve nothing for async loads
-        assert adapter.version < "0.29"
-        return
+    assert "async_load_landing_reservation" in {spec.name for spec in plugin.patch_set.specs}  # every wheel
     seed, stuck, stalled_steps, fixed_steps = LANDING_SEEDS[adapter.version]
-    variant = next(v for v in variants(adapter) if v.name == "plugin-divergence-fa64")
+    if adapter.divergence_checkpoint_supported:
+        variant = next(v for v in variants(adapter) if v.name == "plugin-divergence-fa64")
+    else:
+        plain = next(v for v in variants(adapter) if v.name == "plugin")
+        variant = dataclasses.replace(plain, name="plugin-fa64", attention_block_size=64)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [] and counts.steps == fixed_steps
     # Ablate the plugin's count (not vLLM code): two block holders wait for each other again.

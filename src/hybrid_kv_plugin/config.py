@@ -43,8 +43,9 @@ class PluginConfig(BaseModel):
     )
     async_load_liveness: bool = Field(
         default=True,
-        description="Keep the scheduler's waiting scan live after a failed async KV load "
-        "(vLLM 0.29+: drop stale in-flight reservations, scan block holders first).",
+        description="Keep the scheduler's waiting scan live around async KV loads (every wheel: a load "
+        "landing inside a Mamba block reserves its copy; vLLM 0.29+ after a failed load: drop stale "
+        "in-flight reservations, scan block holders first).",
     )
     prompt_tail_checkpoint: Literal["native", "replay", "both"] = Field(
         default="native",

@@ -171,6 +171,34 @@ def start_in_child(model_dir: Path, additional_config: dict, timeout_s: float = 
     return json.loads(lines[0].split(" ", 1)[1])
 
 
+def report_to_parent(llm, run: Any, marker: str) -> None:
+    """In a child process: ``run(llm)``, shut the engine down, print ``MARKER <json>`` (see :func:`stock_result`)."""
+    import json
+
+    try:
+        result = run(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(f"{marker} {json.dumps(result)}", flush=True)
+
+
+def stock_result(script: str, model_dir: Path, marker: str, timeout_s: float = 1200) -> Any:
+    """``python SCRIPT MODEL_DIR`` with the plugin disabled (stock vLLM: the plugin is registered once
+    per process, so stock runs in a child); what it printed after ``marker``."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, script, str(model_dir)],
+        env={**os.environ, "HYBRID_KV_PLUGIN_DISABLE": "1"},
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker + " ")]
+    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
 def assert_outputs_match_references(runs: dict, length: int, phases: tuple[str, ...]) -> None:
     """The cold run equals the salted uncached run, and each phase its like-for-like reference, exactly."""
     uncached, cold = runs[length, "uncached"], runs[length, "cold"]

@@ -10,7 +10,6 @@ once per process, it cannot be switched off next to an engine that has it).
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from typing import Any
@@ -86,15 +85,10 @@ def run(llm) -> dict[str, Any]:
 def main(model_dir: str) -> None:
     from pathlib import Path
 
-    from engine_run import ENGINE_GEOMETRY, build_llm
+    from engine_run import ENGINE_GEOMETRY, build_llm, report_to_parent
 
     # No connector: with the plugin disabled its connector is not registered.
-    llm = build_llm(Path(model_dir), ENGINE_GEOMETRY, kv_transfer_config=None)
-    try:
-        result = run(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    print("SAME_STEP_RESULT " + json.dumps(result), flush=True)
+    report_to_parent(build_llm(Path(model_dir), ENGINE_GEOMETRY, kv_transfer_config=None), run, "SAME_STEP_RESULT")
 
 
 if __name__ == "__main__":

@@ -21,15 +21,9 @@ on an Intel AMX host). An uncached run (fresh ``cache_salt``) computes other chu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import same_step_scenario
-from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, build_llm
+from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, build_llm, stock_result
 
 STOCK_TIMEOUT_S = 1200
 # The copies the worker ran in the step admitting A and B, (src, dst): three Mamba
@@ -78,19 +72,7 @@ def plugin_run(model_dir):
 
 @pytest.fixture(scope="module")
 def stock_run(model_dir, plugin_run):  # after plugin_run: one engine at a time
-    env = {**os.environ, "HYBRID_KV_PLUGIN_DISABLE": "1"}
-    script = Path(same_step_scenario.__file__)
-    done = subprocess.run(
-        [sys.executable, str(script), str(model_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=STOCK_TIMEOUT_S,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("SAME_STEP_RESULT ")]
-    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
-    return json.loads(lines[0].split(" ", 1)[1])
+    return stock_result(same_step_scenario.__file__, model_dir, "SAME_STEP_RESULT", STOCK_TIMEOUT_S)
 
 
 def max_shift(run: dict, name: str, reference: str) -> float:

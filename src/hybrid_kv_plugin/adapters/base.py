@@ -115,8 +115,9 @@ class VllmAdapter:
     # 0.30+). Older wheels only take invalid_block_ids, which their scheduler maps back to
     # requests through a single KV-cache group: a hybrid model's failed load cannot be told.
     kv_load_failure_by_request: ClassVar[bool] = False
-    # Async KV loads reserve blocks at admission (0.29+, vLLM #44560); the waiting scan
-    # reads this FCFS queue first. None: no reservation, no liveness patch.
+    # A failed async KV load can leave a stale in-flight reservation (0.29+; 0.26-0.28 reserve
+    # for async loads too but run 0.29's deadlocking program to idle); the waiting scan reads
+    # this FCFS queue first. None: no failed-load liveness patch (async_load_liveness).
     first_waiting_queue_attr: ClassVar[str | None] = None
 
     # prompt_tail_checkpoint (hybrid_kv_plugin.prompt_tail): values other than "native" are

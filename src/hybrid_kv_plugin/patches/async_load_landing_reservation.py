@@ -1,11 +1,11 @@
 """Patch ``Scheduler._inflight_prefill_reserved_blocks``: an async load that lands inside a Mamba block reserves its copy-on-write blocks.
 
-Why: vLLM 0.29 admits a new async KV load only if it fits into the free blocks
+Why: vLLM admits a new async KV load only if it fits into the free blocks
 minus what every request in ``_inflight_prefills`` still needs
 (``_request_remaining_blocks``), counted with the request's managers as they stand
 while its load is in flight. A
 load whose hit ends inside a Mamba ``align`` block (a fine-grained CPU hit: vLLM
-0.30+ natively, 0.29 through the plugin's backport) lands a state the Mamba
+0.30+ natively, 0.26-0.29 through the plugin's backport) lands a state the Mamba
 manager then keeps where it is (the prompt tail, a divergence point): the next
 allocation copies it out first, and the manager counts two more blocks for that
 step (the copy and the running state). Counted before the load lands, the need
@@ -14,7 +14,8 @@ running each waits for blocks the other holds: the engine stops making progress.
 Found by the soak (attention block = Mamba block = 64, a 10-block GPU pool):
 vLLM's own SimpleCPU connector on 0.33.0 (``stock`` with that geometry, seed 18),
 the plugin's on 0.29.0 (``plugin-divergence-fa64`` seed 11: reserved 0, then 2
-needed with 1 free).
+needed with 1 free) and on 0.26.0-0.28.0 (``plugin`` with 64-token attention blocks,
+seed 8: a load landed at 176, inside the 128..192 Mamba block, with 1 block free).
 
 What it changes: the reservation (the sum the scheduler asks for when it admits
 an async load) counts, for each in-flight request still waiting for its load
@@ -26,8 +27,8 @@ the scheduler asks for it once per async admission. Off with the plugin's
 ``async_load_liveness`` switch, as the rest of the liveness fix.
 
 Upstream: none yet (vLLM 0.33.0 counts the reservation before the load lands);
-installed on 0.29.0-0.33.x (every wheel with the reservation); to be removed from
-the first wheel whose soak runs stay live without it.
+installed on every wheel 0.26.0-0.33.x (each reserves for async loads); to be removed
+from the first wheel whose soak runs stay live without it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 TARGET = "vllm.v1.core.sched.scheduler:Scheduler._inflight_prefill_reserved_blocks"
 # The feature this patch serves (the same switch as async_load_liveness).
 FEATURE = "async_load_liveness"
-INSTALLS = Installs(when=lambda adapter: adapter.first_waiting_queue_attr is not None, since="0.29.0")
+# Every supported wheel reserves in-flight prefills' blocks when it admits an async load.
+INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 # Blocks a Mamba align group asks for in the step after a state is kept inside a block: the
 # copy-on-write block and the running state's block (vLLM's MambaManager estimate).
 LANDING_COPY_BLOCKS = 2

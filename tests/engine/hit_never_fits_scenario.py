@@ -1,0 +1,98 @@
+"""A request whose prefix hit makes it too large for the whole KV pool, on the real engine.
+
+``run(llm)`` drives one engine: request a (49 tokens) leaves vLLM's own prompt-tail
+Mamba state at 48; request b extends it to 380 tokens (+4 generated, ``max_model_len``
+384) and is stepped at most ``STEP_LIMIT`` times; then, if b finished, b again under a
+fresh ``cache_salt`` (uncached). Run as a script (``python hit_never_fits_scenario.py
+MODEL_DIR``) it builds the engine itself and prints the result as JSON:
+test_hit_never_fits_engine.py runs it that way with ``HYBRID_KV_PLUGIN_DISABLE=1`` (stock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from typing import Any
+
+MAX_MODEL_LEN = 384
+# 1 attention + 3 Mamba groups (the tiny model's layers), 32-token blocks: b alone runs to the
+# end from 22 blocks on 0.29 (19 on 0.32), and with a's 48-token hit it needs 23.
+POOL_BLOCKS = 22
+A_LENGTH, B_LENGTH = 49, 380
+STEP_LIMIT = 40  # b needs 6 steps (3 prefill chunks, 3 more tokens) where it is admitted at once
+
+
+def prompt() -> list[int]:
+    rng = random.Random("hit-never-fits")
+    return [rng.randrange(3, 1024) for _ in range(B_LENGTH)]
+
+
+def geometry():
+    from engine_run import ENGINE_GEOMETRY
+
+    return dataclasses.replace(ENGINE_GEOMETRY, max_model_len=MAX_MODEL_LEN)
+
+
+def _params():
+    from vllm import SamplingParams
+
+    from engine_run import MAX_TOKENS
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def _completion(output) -> dict[str, Any]:
+    sample = output.outputs[0]
+    return {
+        "num_cached_tokens": output.num_cached_tokens,
+        "token_ids": list(sample.token_ids),
+        "logprobs": [step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)],
+    }
+
+
+def _generate(llm, tokens: list[int], cache_salt: str | None = None) -> dict[str, Any]:
+    from vllm.inputs import TokensPrompt
+
+    request = TokensPrompt(prompt_token_ids=list(tokens))
+    if cache_salt is not None:
+        request["cache_salt"] = cache_salt
+    (output,) = llm.generate([request], _params(), use_tqdm=False)
+    return _completion(output)
+
+
+def run(llm) -> dict[str, Any]:
+    from vllm.inputs import TokensPrompt
+
+    p = prompt()
+    out: dict[str, Any] = {"a": _generate(llm, p[:A_LENGTH])}
+    engine = llm.llm_engine
+    engine.add_request("b", TokensPrompt(prompt_token_ids=p), _params())
+    finished = None
+    for step in range(1, STEP_LIMIT + 1):
+        for output in engine.step():
+            if output.request_id == "b" and output.finished:
+                finished = output
+        if finished is not None:
+            break
+    out["b steps"] = step
+    out["b"] = _completion(finished) if finished is not None else None
+    if finished is None:
+        engine.abort_request(["b"])  # stock: still waiting; leave the engine idle for shutdown
+    else:
+        out["b uncached"] = _generate(llm, p, cache_salt="hit-never-fits-uncached")
+    return out
+
+
+def main(model_dir: str) -> None:
+    from pathlib import Path
+
+    from engine_run import build_llm, report_to_parent
+
+    # No connector: with the plugin disabled its connector is not registered.
+    llm = build_llm(Path(model_dir), geometry(), kv_transfer_config=None, num_gpu_blocks_override=POOL_BLOCKS)
+    report_to_parent(llm, run, "HIT_NEVER_FITS_RESULT")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
