@@ -29,13 +29,15 @@ WARNING = (
 )
 
 
+def _geometry(num_gpu_blocks):
+    return HybridGeometry(
+        attention_block_size=64, mamba_block_size=64, hash_block_size=16, num_gpu_blocks=num_gpu_blocks,
+        max_model_len=MAX_MODEL_LEN,
+    )
+
+
 def _engine(make_engine, num_gpu_blocks, ahead_of_b=()):
-    engine = make_engine(
-        HybridGeometry(
-            attention_block_size=64, mamba_block_size=64, hash_block_size=16, num_gpu_blocks=num_gpu_blocks,
-            max_model_len=MAX_MODEL_LEN,
-        )
-    )  # fmt: skip
+    engine = make_engine(_geometry(num_gpu_blocks))
     assert engine.run([("a", PROMPT[:49])]) == {"a": 0}
     for request_id, tokens, max_tokens in ahead_of_b:
         engine.add_request(request_id, tokens, max_tokens=max_tokens)
@@ -44,12 +46,7 @@ def _engine(make_engine, num_gpu_blocks, ahead_of_b=()):
 
 
 def test_alone_b_runs_on_this_pool(no_plugin, make_engine):
-    engine = make_engine(
-        HybridGeometry(
-            attention_block_size=64, mamba_block_size=64, hash_block_size=16, num_gpu_blocks=POOL,
-            max_model_len=MAX_MODEL_LEN,
-        )
-    )  # fmt: skip
+    engine = make_engine(_geometry(POOL))
     assert engine.run([("b", PROMPT)]) == {"b": 0}
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,16 @@ def build_llm(model_dir: Path, geometry: EngineGeometry, **overrides: Any):
     return LLM(**kwargs)
 
 
+@contextlib.contextmanager
+def running_llm(model_dir: Path, geometry: EngineGeometry, **overrides: Any) -> Iterator[Any]:
+    """:func:`build_llm`, shut down on the way out."""
+    llm = build_llm(model_dir, geometry, **overrides)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def counters(llm) -> dict[str, float]:
     """Every counter the engine exported, ``name`` or ``name{label=value}`` for labelled outcomes."""
     values: dict[str, float] = {}
@@ -104,23 +116,48 @@ def counters(llm) -> dict[str, float]:
     return values
 
 
-def generate(llm, prompt: list[int], cache_salt: str | None = None, max_tokens: int = MAX_TOKENS) -> Completion:
+def greedy_params(max_tokens: int = MAX_TOKENS) -> Any:
+    """Greedy sampling of ``max_tokens`` tokens, the chosen token's logprob returned with each."""
     from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def tokens_prompt(tokens: Sequence[int], cache_salt: str | None = None) -> Any:
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    request = TokensPrompt(prompt_token_ids=list(prompt))
+    request = TokensPrompt(prompt_token_ids=list(tokens))
     if cache_salt is not None:
         request["cache_salt"] = cache_salt
-    before = counters(llm)
-    (output,) = llm.generate([request], params, use_tqdm=False)
-    after = counters(llm)
+    return request
+
+
+def output_record(output: Any) -> dict[str, Any]:
+    """A finished request's output as JSON-ready data: its hit, tokens and their logprobs."""
     sample = output.outputs[0]
+    return {
+        "num_cached_tokens": output.num_cached_tokens,
+        "token_ids": list(sample.token_ids),
+        "logprobs": [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+    }
+
+
+def generate_records(llm, batch: Sequence[Sequence[int]], cache_salt: str | None = None) -> list[dict[str, Any]]:
+    """One ``generate`` call for every prompt of ``batch`` (admitted together), as :func:`output_record` data."""
+    outputs = llm.generate([tokens_prompt(tokens, cache_salt) for tokens in batch], greedy_params(), use_tqdm=False)
+    return [output_record(output) for output in outputs]
+
+
+def generate(llm, prompt: list[int], cache_salt: str | None = None, max_tokens: int = MAX_TOKENS) -> Completion:
+    before = counters(llm)
+    (output,) = llm.generate([tokens_prompt(prompt, cache_salt)], greedy_params(max_tokens), use_tqdm=False)
+    after = counters(llm)
+    record = output_record(output)
     growth = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return Completion(
-        token_ids=tuple(sample.token_ids),
-        logprobs=tuple(step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)),
-        num_cached_tokens=output.num_cached_tokens,
+        token_ids=tuple(record["token_ids"]),
+        logprobs=tuple(record["logprobs"]),
+        num_cached_tokens=record["num_cached_tokens"],
         local_hits=int(growth.get("vllm:prefix_cache_hits", 0)),
         external_hits=int(growth.get("vllm:external_prefix_cache_hits", 0)),
     )
@@ -158,45 +195,39 @@ def cut_at_hit(llm, consumer: list[int], hit: int, salt: str) -> Completion:
 def start_in_child(model_dir: Path, additional_config: dict, timeout_s: float = 1200) -> dict:
     """How an engine start with ``additional_config`` ends, in a child process (``refusal.py``)."""
     import json
-    import subprocess
-    import sys
 
     script = Path(__file__).with_name("refusal.py")
-    done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), json.dumps(additional_config)],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_START ")]
-    assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
-    return json.loads(lines[0].split(" ", 1)[1])
-
-
-def report_to_parent(llm, run: Any, marker: str) -> None:
-    """In a child process: ``run(llm)``, shut the engine down, print ``MARKER <json>`` (see :func:`stock_result`)."""
-    import json
-
-    try:
-        result = run(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    print(f"{marker} {json.dumps(result)}", flush=True)
+    return child_result([str(script), str(model_dir), json.dumps(additional_config)], "ENGINE_START", timeout_s)
 
 
 def stock_result(script: str, model_dir: Path, marker: str, timeout_s: float = 1200) -> Any:
     """``python SCRIPT MODEL_DIR`` with the plugin disabled (stock vLLM: the plugin is registered once
     per process, so stock runs in a child); what it printed after ``marker``."""
+    return child_result([script, str(model_dir)], marker, timeout_s, {"HYBRID_KV_PLUGIN_DISABLE": "1"})
+
+
+def child_result(args: list[str], marker: str, timeout_s: float, env: dict[str, str] | None = None) -> Any:
+    """``python ARGS`` in a child process (``env`` added to this one's); the JSON it printed after ``marker``."""
     import json
     import subprocess
     import sys
 
     done = subprocess.run(
-        [sys.executable, script, str(model_dir)],
-        env={**os.environ, "HYBRID_KV_PLUGIN_DISABLE": "1"},
+        [sys.executable, *args], env={**os.environ, **(env or {})},
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith(marker + " ")]
     assert done.returncode == 0 and len(lines) == 1, done.stderr[-4000:]
     return json.loads(lines[0].split(" ", 1)[1])
+
+
+def report_to_parent(model_dir: Path, geometry: EngineGeometry, run: Any, marker: str, **overrides: Any) -> None:
+    """In a child process: ``run`` on a fresh engine, then print ``MARKER <json>`` (read by :func:`stock_result`)."""
+    import json
+
+    with running_llm(model_dir, geometry, **overrides) as llm:
+        result = run(llm)
+    print(f"{marker} {json.dumps(result)}", flush=True)
 
 
 def assert_outputs_match_references(runs: dict, length: int, phases: tuple[str, ...]) -> None:

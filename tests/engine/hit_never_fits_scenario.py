@@ -20,6 +20,8 @@ MAX_MODEL_LEN = 384
 # end from 22 blocks on 0.29 (19 on 0.32), and with a's 48-token hit it needs 23.
 POOL_BLOCKS = 22
 A_LENGTH, B_LENGTH = 49, 380
+# No connector (with the plugin disabled its connector is not registered), and the small pool.
+ENGINE_OPTIONS = {"kv_transfer_config": None, "num_gpu_blocks_override": POOL_BLOCKS}
 STEP_LIMIT = 40  # b needs 6 steps (3 prefill chunks, 3 more tokens) where it is admitted at once
 
 
@@ -34,40 +36,14 @@ def geometry():
     return dataclasses.replace(ENGINE_GEOMETRY, max_model_len=MAX_MODEL_LEN)
 
 
-def _params():
-    from vllm import SamplingParams
-
-    from engine_run import MAX_TOKENS
-
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-
-
-def _completion(output) -> dict[str, Any]:
-    sample = output.outputs[0]
-    return {
-        "num_cached_tokens": output.num_cached_tokens,
-        "token_ids": list(sample.token_ids),
-        "logprobs": [step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)],
-    }
-
-
-def _generate(llm, tokens: list[int], cache_salt: str | None = None) -> dict[str, Any]:
-    from vllm.inputs import TokensPrompt
-
-    request = TokensPrompt(prompt_token_ids=list(tokens))
-    if cache_salt is not None:
-        request["cache_salt"] = cache_salt
-    (output,) = llm.generate([request], _params(), use_tqdm=False)
-    return _completion(output)
-
-
 def run(llm) -> dict[str, Any]:
-    from vllm.inputs import TokensPrompt
+    from engine_run import generate_records, greedy_params, output_record, tokens_prompt
 
     p = prompt()
-    out: dict[str, Any] = {"a": _generate(llm, p[:A_LENGTH])}
+    (a,) = generate_records(llm, [p[:A_LENGTH]])
+    out: dict[str, Any] = {"a": a}
     engine = llm.llm_engine
-    engine.add_request("b", TokensPrompt(prompt_token_ids=p), _params())
+    engine.add_request("b", tokens_prompt(p), greedy_params())
     finished = None
     for step in range(1, STEP_LIMIT + 1):
         for output in engine.step():
@@ -76,22 +52,20 @@ def run(llm) -> dict[str, Any]:
         if finished is not None:
             break
     out["b steps"] = step
-    out["b"] = _completion(finished) if finished is not None else None
+    out["b"] = output_record(finished) if finished is not None else None
     if finished is None:
         engine.abort_request(["b"])  # stock: still waiting; leave the engine idle for shutdown
     else:
-        out["b uncached"] = _generate(llm, p, cache_salt="hit-never-fits-uncached")
+        (out["b uncached"],) = generate_records(llm, [p], cache_salt="hit-never-fits-uncached")
     return out
 
 
 def main(model_dir: str) -> None:
     from pathlib import Path
 
-    from engine_run import build_llm, report_to_parent
+    from engine_run import report_to_parent
 
-    # No connector: with the plugin disabled its connector is not registered.
-    llm = build_llm(Path(model_dir), geometry(), kv_transfer_config=None, num_gpu_blocks_override=POOL_BLOCKS)
-    report_to_parent(llm, run, "HIT_NEVER_FITS_RESULT")
+    report_to_parent(Path(model_dir), geometry(), run, "HIT_NEVER_FITS_RESULT", **ENGINE_OPTIONS)
 
 
 if __name__ == "__main__":

@@ -29,33 +29,11 @@ def prompts() -> dict[str, list[int]]:
     return {"P": p, "A": a, "B": b}
 
 
-def _generate(llm, batch: list[list[int]], cache_salt: str | None = None) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from engine_run import MAX_TOKENS
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    requests = []
-    for tokens in batch:
-        request = TokensPrompt(prompt_token_ids=list(tokens))
-        if cache_salt is not None:
-            request["cache_salt"] = cache_salt
-        requests.append(request)
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    return [
-        {
-            "num_cached_tokens": output.num_cached_tokens,
-            "token_ids": list(output.outputs[0].token_ids),
-            "logprobs": [step[t].logprob for step, t in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)],
-        }
-        for output in outputs
-    ]
-
-
 def run(llm) -> dict[str, Any]:
     """P; then A and B in one generate call; then B's references: after P under a new salt, and uncached."""
     import vllm.v1.worker.gpu_model_runner as runner_module
+
+    from engine_run import generate_records
 
     copies: list[list[list[int]]] = []
     worker_copy = runner_module.copy_kv_cache_blocks_inplace
@@ -68,15 +46,15 @@ def run(llm) -> dict[str, Any]:
     try:
         p = prompts()
         out: dict[str, Any] = {}
-        (out["P"],) = _generate(llm, [p["P"]])
+        (out["P"],) = generate_records(llm, [p["P"]])
         del copies[:]
-        out["A"], out["B"] = _generate(llm, [p["A"], p["B"]])
+        out["A"], out["B"] = generate_records(llm, [p["A"], p["B"]])
         out["copies"] = list(copies)
         # The same B hit with no chain: P cached under another salt, then B alone.
-        _generate(llm, [p["P"]], cache_salt="same-step-reference")
-        (out["B reference"],) = _generate(llm, [p["B"]], cache_salt="same-step-reference")
-        (out["B uncached"],) = _generate(llm, [p["B"]], cache_salt="same-step-uncached")
-        (out["A uncached"],) = _generate(llm, [p["A"]], cache_salt="same-step-uncached-a")
+        generate_records(llm, [p["P"]], cache_salt="same-step-reference")
+        (out["B reference"],) = generate_records(llm, [p["B"]], cache_salt="same-step-reference")
+        (out["B uncached"],) = generate_records(llm, [p["B"]], cache_salt="same-step-uncached")
+        (out["A uncached"],) = generate_records(llm, [p["A"]], cache_salt="same-step-uncached-a")
         return out
     finally:
         runner_module.copy_kv_cache_blocks_inplace = worker_copy
@@ -85,10 +63,10 @@ def run(llm) -> dict[str, Any]:
 def main(model_dir: str) -> None:
     from pathlib import Path
 
-    from engine_run import ENGINE_GEOMETRY, build_llm, report_to_parent
+    from engine_run import ENGINE_GEOMETRY, report_to_parent
 
     # No connector: with the plugin disabled its connector is not registered.
-    report_to_parent(build_llm(Path(model_dir), ENGINE_GEOMETRY, kv_transfer_config=None), run, "SAME_STEP_RESULT")
+    report_to_parent(Path(model_dir), ENGINE_GEOMETRY, run, "SAME_STEP_RESULT", kv_transfer_config=None)
 
 
 if __name__ == "__main__":

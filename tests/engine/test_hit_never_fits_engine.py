@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import hit_never_fits_scenario as scenario
 import pytest
-from engine_run import build_llm, stock_result
+from engine_run import running_llm, stock_result
 
 
 @pytest.fixture(scope="module")
 def plugin_run(model_dir):
-    llm = build_llm(
-        model_dir, scenario.geometry(), kv_transfer_config=None, num_gpu_blocks_override=scenario.POOL_BLOCKS
-    )
-    try:
-        yield scenario.run(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    with running_llm(model_dir, scenario.geometry(), **scenario.ENGINE_OPTIONS) as llm:
+        return scenario.run(llm)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import same_step_scenario
-from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, build_llm, stock_result
+from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, running_llm, stock_result
 
 STOCK_TIMEOUT_S = 1200
 # The copies the worker ran in the step admitting A and B, (src, dst): three Mamba
@@ -63,11 +63,8 @@ STOCK_MIN_LOGPROB_SHIFT = 0.03
 
 @pytest.fixture(scope="module")
 def plugin_run(model_dir):
-    llm = build_llm(model_dir, ENGINE_GEOMETRY, kv_transfer_config=None)
-    try:
-        yield same_step_scenario.run(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    with running_llm(model_dir, ENGINE_GEOMETRY, kv_transfer_config=None) as llm:
+        return same_step_scenario.run(llm)
 
 
 @pytest.fixture(scope="module")
