@@ -99,9 +99,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-load-landing-copy-not-reserved",
         "patches/async_load_landing_reservation.py",
-        "            landing = [1 for r in requests if r.status is waiting_for_load and r.num_computed_tokens % block_size]\n",
+        "            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if r.num_computed_tokens % block_size])\n",
         # Counts the copy only for loads landing on a block boundary, where none is needed.
-        "            landing = [1 for r in requests if r.status is waiting_for_load and not r.num_computed_tokens % block_size]\n",
+        "            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if not r.num_computed_tokens % block_size])\n",
         ("tests/test_reliability_regressions.py::test_load_landing_inside_a_mamba_block_reserves_its_copy",),
         ("0.29.0", "0.30.0"),
     ),

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_run import ENGINE_GEOMETRY, build_llm, engine_environment  # noqa: E402
+from engine_run import ENGINE_GEOMETRY, engine_environment, running_llm  # noqa: E402
 
 engine_environment()  # before any test module imports vLLM
 from tiny_model import write_model  # noqa: E402
@@ -36,9 +36,8 @@ def model_dir():
 @pytest.fixture(scope="session")
 def llm(model_dir):
     """The shared in-process engine: prefix caching on, HybridSimpleCPUConnector by name."""
-    engine = build_llm(model_dir, ENGINE_GEOMETRY)
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    with running_llm(model_dir, ENGINE_GEOMETRY) as engine:
+        yield engine
 
 
 # The two-engine Mooncake cluster needs the `mooncake` extra, which only the pins of the newest CPU

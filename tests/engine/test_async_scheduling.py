@@ -13,8 +13,10 @@ engine, token for token and logprob for logprob.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
-from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, build_llm
+from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, running_llm
 from sim_prediction import predict
 from test_engine_outputs import LENGTHS, PHASES, engine_side, request_sequence, run_sequence
 
@@ -32,13 +34,11 @@ def _keep_requested_async(original):
 def async_llm(model_dir):
     from vllm.platforms.cpu import CpuPlatform
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CpuPlatform, "check_and_update_config", _keep_requested_async(CpuPlatform.check_and_update_config))
-        engine = build_llm(model_dir, ENGINE_GEOMETRY, async_scheduling=True)
-    try:
+    with contextlib.ExitStack() as running:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CpuPlatform, "check_and_update_config", _keep_requested_async(CpuPlatform.check_and_update_config))
+            engine = running.enter_context(running_llm(model_dir, ENGINE_GEOMETRY, async_scheduling=True))
         yield engine
-    finally:
-        engine.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_run import ENGINE_GEOMETRY, build_llm, cut_at_hit, generate, start_in_child
+from engine_run import ENGINE_GEOMETRY, cut_at_hit, generate, running_llm, start_in_child
 
 from hybrid_kv_plugin.adapters import select_adapter
 
@@ -113,8 +113,7 @@ def runs(model_dir):
         if enabled and not results["supported"]:
             results["refusal"] = start_in_child(model_dir, option(True))
             continue
-        llm = build_llm(model_dir, ENGINE_GEOMETRY, additional_config=option(enabled))
-        try:
+        with running_llm(model_dir, ENGINE_GEOMETRY, additional_config=option(enabled)) as llm:
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler
             results[enabled, "geometry"] = (
                 [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups],
@@ -129,8 +128,6 @@ def runs(model_dir):
                     results[enabled, scenario, tier, "reference"] = references(
                         llm, results[enabled, scenario, tier], f"{enabled}-{scenario}-{tier}"
                     )
-        finally:
-            llm.llm_engine.engine_core.shutdown()
     return results
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_run import ENGINE_GEOMETRY, build_llm, cut_at_hit, generate, start_in_child
+from engine_run import ENGINE_GEOMETRY, cut_at_hit, generate, running_llm, start_in_child
 
 from hybrid_kv_plugin.adapters import select_adapter
 
@@ -96,17 +96,13 @@ def runs(model_dir):
         if enabled and not results["supported"]:
             results["refusal"] = start_in_child(model_dir, OPTION)
             continue
-        llm = build_llm(
-            model_dir, ENGINE_GEOMETRY, additional_config={"hybrid_kv": {"mamba_output_checkpoint": enabled}}
-        )
-        try:
+        additional_config = {"hybrid_kv": {"mamba_output_checkpoint": enabled}}
+        with running_llm(model_dir, ENGINE_GEOMETRY, additional_config=additional_config) as llm:
             if enabled:
                 scheduler = llm.llm_engine.engine_core.engine_core.scheduler
                 results["retention"] = scheduler.kv_cache_manager.coordinator.retention_interval
                 results["bound"] = _bound(scheduler)
             results[enabled] = conversation(llm)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
     return results
 
 

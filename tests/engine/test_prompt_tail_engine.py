@@ -26,7 +26,14 @@ the retention fix is not ported there):
 from __future__ import annotations
 
 import pytest
-from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, build_llm, generate, like_for_like, start_in_child
+from engine_run import (
+    ENGINE_GEOMETRY,
+    assert_outputs_match_references,
+    generate,
+    like_for_like,
+    running_llm,
+    start_in_child,
+)
 from sim_prediction import predict
 from test_engine_outputs import continuation_of, prompt_of
 
@@ -64,9 +71,8 @@ def tail_llm(model_dir):
     if not supported():
         yield start_in_child(model_dir, OPTION)
         return
-    engine = build_llm(model_dir, ENGINE_GEOMETRY, additional_config=OPTION)
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+    with running_llm(model_dir, ENGINE_GEOMETRY, additional_config=OPTION) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,11 @@ class VllmAdapter:
     # The align-mode Mamba manager marks a request allocated even when a call needs no new
     # block (0.28+); older wheels mark only calls that allocate (patch mamba_allocated_mark).
     mamba_marks_requests_allocating_nothing: ClassVar[bool] = True
+    # The align-mode Mamba manager counts a running chunk's new blocks no higher than it
+    # allocates (0.31+). Older wheels count one more for a chunk that resumes from a state inside
+    # a block; under AsyncScheduler, whose Mamba manager frees the previous state's block a step
+    # later, a request that needs the whole pool is then preempted at that chunk for ever.
+    mamba_chunk_count_capped: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
     has_native_nixl_ssm_clip: ClassVar[bool] = False
     # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one

@@ -11,6 +11,7 @@ class Vllm031Adapter(Vllm030Adapter):
     native_junction_scheduler_attr = "mamba_shared_prefix_checkpoint"
     native_junction_manager_attr = "shared_prefix_checkpoint"
     has_native_simplecpu_metrics = True
+    mamba_chunk_count_capped = True
     # Block-holding waiting requests have their own queue, drained before ``waiting``.
     first_waiting_queue_attr = "kv_holding_waiting"
 

@@ -34,6 +34,8 @@ from the first wheel whose soak runs stay live without it.
 from __future__ import annotations
 
 import functools
+import operator
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
@@ -49,6 +51,7 @@ INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 # Blocks a Mamba align group asks for in the step after a state is kept inside a block: the
 # copy-on-write block and the running state's block (vLLM's MambaManager estimate).
 LANDING_COPY_BLOCKS = 2
+_status = operator.attrgetter("status")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -75,14 +78,16 @@ def landing_copy_blocks(kv_cache_manager: Any, requests: Any, waiting_for_load: 
 
     Only requests in status ``waiting_for_load`` count (a load that has landed is counted by
     the wheel's own per-request need). Runs once per async admission over every in-flight
-    prefill, most of them running chunks: one comprehension per align group.
+    prefill, most of them running chunks: the loads are picked out in C, Python sees only them.
     """
+    loads = list(compress(requests, map(waiting_for_load.__eq__, map(_status, requests))))
+    if not loads:
+        return 0
     extra = 0
     for manager in kv_cache_manager.coordinator.single_type_managers:
         if getattr(manager, "mamba_cache_mode", None) == "align":
             block_size = manager.block_size
-            landing = [1 for r in requests if r.status is waiting_for_load and r.num_computed_tokens % block_size]
-            extra += LANDING_COPY_BLOCKS * len(landing)
+            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if r.num_computed_tokens % block_size])
     return extra
 
 
