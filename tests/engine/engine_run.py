@@ -103,6 +103,29 @@ def running_llm(model_dir: Path, geometry: EngineGeometry, **overrides: Any) -> 
         llm.llm_engine.engine_core.shutdown()
 
 
+@contextlib.contextmanager
+def async_scheduling_kept() -> Iterator[None]:
+    """Engines built inside keep ``async_scheduling`` as requested, so they run ``AsyncScheduler``.
+
+    vLLM's CPU platform turns it off for every engine ("async scheduling is not required on
+    CPU"); here ``CpuPlatform.check_and_update_config`` runs unchanged, then the requested
+    value is put back (test-only: a GPU ``vllm serve`` runs ``AsyncScheduler`` by default).
+    """
+    import pytest
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config
+
+    def check_and_update_config(cls, vllm_config):
+        requested = vllm_config.scheduler_config.async_scheduling
+        original(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = requested
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuPlatform, "check_and_update_config", classmethod(check_and_update_config))
+        yield
+
+
 def counters(llm) -> dict[str, float]:
     """Every counter the engine exported, ``name`` or ``name{label=value}`` for labelled outcomes."""
     values: dict[str, float] = {}
@@ -200,10 +223,10 @@ def start_in_child(model_dir: Path, additional_config: dict, timeout_s: float = 
     return child_result([str(script), str(model_dir), json.dumps(additional_config)], "ENGINE_START", timeout_s)
 
 
-def stock_result(script: str, model_dir: Path, marker: str, timeout_s: float = 1200) -> Any:
-    """``python SCRIPT MODEL_DIR`` with the plugin disabled (stock vLLM: the plugin is registered once
-    per process, so stock runs in a child); what it printed after ``marker``."""
-    return child_result([script, str(model_dir)], marker, timeout_s, {"HYBRID_KV_PLUGIN_DISABLE": "1"})
+def stock_result(script: str, model_dir: Path, marker: str, *args: str, timeout_s: float = 1200) -> Any:
+    """``python SCRIPT MODEL_DIR ARGS`` with the plugin disabled (stock vLLM: the plugin is registered
+    once per process, so stock runs in a child); what it printed after ``marker``."""
+    return child_result([script, str(model_dir), *args], marker, timeout_s, {"HYBRID_KV_PLUGIN_DISABLE": "1"})
 
 
 def child_result(args: list[str], marker: str, timeout_s: float, env: dict[str, str] | None = None) -> Any:

@@ -4,12 +4,14 @@
 Mamba state at 48; request b extends it to 380 tokens (+4 generated, ``max_model_len``
 384) and is stepped at most ``STEP_LIMIT`` times; then, if b finished, b again under a
 fresh ``cache_salt`` (uncached). Run as a script (``python hit_never_fits_scenario.py
-MODEL_DIR``) it builds the engine itself and prints the result as JSON:
+MODEL_DIR sync|async``) it builds the engine itself (``Scheduler`` or ``AsyncScheduler``)
+and prints the result as JSON:
 test_hit_never_fits_engine.py runs it that way with ``HYBRID_KV_PLUGIN_DISABLE=1`` (stock).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import sys
@@ -60,13 +62,15 @@ def run(llm) -> dict[str, Any]:
     return out
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, scheduling: str) -> None:
     from pathlib import Path
 
-    from engine_run import report_to_parent
+    from engine_run import async_scheduling_kept, report_to_parent
 
-    report_to_parent(Path(model_dir), geometry(), run, "HIT_NEVER_FITS_RESULT", **ENGINE_OPTIONS)
+    options = dict(ENGINE_OPTIONS, async_scheduling=scheduling == "async")
+    with async_scheduling_kept() if scheduling == "async" else contextlib.nullcontext():
+        report_to_parent(Path(model_dir), geometry(), run, "HIT_NEVER_FITS_RESULT", **options)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -16,27 +16,15 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, running_llm
+from engine_run import ENGINE_GEOMETRY, assert_outputs_match_references, async_scheduling_kept, running_llm
 from sim_prediction import predict
 from test_engine_outputs import LENGTHS, PHASES, engine_side, request_sequence, run_sequence
 
 
-def _keep_requested_async(original):
-    def check_and_update_config(cls, vllm_config):
-        requested = vllm_config.scheduler_config.async_scheduling
-        original(vllm_config)
-        vllm_config.scheduler_config.async_scheduling = requested
-
-    return classmethod(check_and_update_config)
-
-
 @pytest.fixture(scope="module")
 def async_llm(model_dir):
-    from vllm.platforms.cpu import CpuPlatform
-
     with contextlib.ExitStack() as running:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(CpuPlatform, "check_and_update_config", _keep_requested_async(CpuPlatform.check_and_update_config))
+        with async_scheduling_kept():
             engine = running.enter_context(running_llm(model_dir, ENGINE_GEOMETRY, async_scheduling=True))
         yield engine
 

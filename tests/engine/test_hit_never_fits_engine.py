@@ -9,47 +9,81 @@ registered once per process) refuses b at every step: after 40 engine steps it h
 produced nothing. With the plugin b is refused once, then computed without the cache:
 it finishes and equals an uncached run token for token and logprob for logprob. The
 simulator on the wheel's own scheduler predicts both (tests/test_hit_never_fits.py
-shows the same on every stock wheel).
+shows the same on every stock wheel). The same program runs again under ``AsyncScheduler``
+(``async_scheduling`` kept on the CPU platform): on 0.32 the same outcome, two steps later;
+on 0.29 vLLM's own async block count preempts b at its last chunk whatever the plugin does.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import hit_never_fits_scenario as scenario
 import pytest
-from engine_run import running_llm, stock_result
+from engine_run import async_scheduling_kept, running_llm, stock_result
+
+
+def _plugin_run(model_dir, scheduling):
+    options = dict(scenario.ENGINE_OPTIONS, async_scheduling=scheduling == "async")
+    with async_scheduling_kept() if scheduling == "async" else contextlib.nullcontext():
+        with running_llm(model_dir, scenario.geometry(), **options) as llm:
+            return scenario.run(llm)
 
 
 @pytest.fixture(scope="module")
 def plugin_run(model_dir):
-    with running_llm(model_dir, scenario.geometry(), **scenario.ENGINE_OPTIONS) as llm:
-        return scenario.run(llm)
+    return _plugin_run(model_dir, "sync")
 
 
 @pytest.fixture(scope="module")
 def stock_run(model_dir, plugin_run):  # after plugin_run: one engine at a time
-    return stock_result(scenario.__file__, model_dir, "HIT_NEVER_FITS_RESULT")
+    return stock_result(scenario.__file__, model_dir, "HIT_NEVER_FITS_RESULT", "sync")
 
 
-def predicted() -> dict[str, int]:
-    """The hits, and the steps b takes from its arrival to its end, by the simulator (the wheel's
-    real scheduler, this geometry; needs the plugin registered in this process, as the engine
-    tests have it)."""
+@pytest.fixture(scope="module")
+def async_plugin_run(model_dir, stock_run):
+    return _plugin_run(model_dir, "async")
+
+
+@pytest.fixture(scope="module")
+def async_stock_run(model_dir, async_plugin_run):
+    return stock_result(scenario.__file__, model_dir, "HIT_NEVER_FITS_RESULT", "async")
+
+
+def predicted(scheduling: str = "sync", plugin: bool = True) -> dict[str, int | None]:
+    """The hits, and the steps b takes from its arrival to its end (None: not within the step
+    limit), by the simulator: the wheel's real scheduler, this geometry, ``scheduling``'s engine
+    core. The plugin is registered in this process (as the engine tests have it); ``plugin=False``
+    uninstalls it for the prediction and registers it again."""
+    import hybrid_kv_plugin
     from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+    from hybrid_kv_plugin.sim.engine import default_scheduling
 
-    g = scenario.geometry()
-    sim = SimEngine(HybridGeometry(
-        attention_block_size=g.attention_block_size, mamba_block_size=g.mamba_block_size,
-        hash_block_size=g.prefix_match_unit, num_gpu_blocks=scenario.POOL_BLOCKS, max_model_len=g.max_model_len,
-        mamba_groups=3,
-    ))  # fmt: skip
     from engine_run import MAX_TOKENS
 
+    g = scenario.geometry()
     p = scenario.prompt()
-    hits = sim.run([("a", p[: scenario.A_LENGTH])], max_tokens=MAX_TOKENS)
-    arrival = len(sim.steps)
-    hits.update(sim.run([("b", p)], max_tokens=MAX_TOKENS))
-    (end,) = [record.index for record in sim.steps if "b" in record.finished]
-    return {**hits, "b steps": end - arrival + 1}
+    if not plugin:
+        hybrid_kv_plugin.uninstall()
+    try:
+        with default_scheduling(scheduling == "async"):
+            sim = SimEngine(HybridGeometry(
+                attention_block_size=g.attention_block_size, mamba_block_size=g.mamba_block_size,
+                hash_block_size=g.prefix_match_unit, num_gpu_blocks=scenario.POOL_BLOCKS,
+                max_model_len=g.max_model_len, mamba_groups=3,
+            ))  # fmt: skip
+            hits = sim.run([("a", p[: scenario.A_LENGTH])], max_tokens=MAX_TOKENS)
+            arrival = len(sim.steps)
+            sim.add_request("b", p, max_tokens=MAX_TOKENS)
+            try:
+                sim.run_until_idle(max_steps=scenario.STEP_LIMIT)
+            except RuntimeError:
+                return {**hits, "b": None, "b steps": None}
+            (end,) = [record.index for record in sim.steps if "b" in record.finished]
+            return {**hits, "b": sim.outcomes["b"].hit_tokens, "b steps": end - arrival + 1}
+    finally:
+        if not plugin:
+            hybrid_kv_plugin.register()
 
 
 def test_stock_never_starts_b(stock_run):
@@ -66,5 +100,26 @@ def test_with_the_plugin_b_runs_without_its_hit(plugin_run, stock_run):
     # One step refused with the hit, then the prefill's chunks and three more tokens (7 on 0.32).
     assert plugin_run["b steps"] == prediction["b steps"] < scenario.STEP_LIMIT
     uncached = plugin_run["b uncached"]
+    assert uncached["num_cached_tokens"] == 0
+    assert (b["token_ids"], b["logprobs"]) == (uncached["token_ids"], uncached["logprobs"])
+
+
+# Under AsyncScheduler (a GPU `vllm serve`'s default; tests/test_hit_never_fits.py, docs/reliability.md).
+# From 0.31 (adapter fact mamba_chunk_count_capped) the same outcome as above; before it vLLM's own
+# async block count preempts b at its last chunk on this pool, with or without the plugin.
+
+
+def test_async_scheduler_as_the_simulator_predicts(async_plugin_run, async_stock_run, adapter):
+    stock, plugin = predicted("async", plugin=False), predicted("async")
+    assert (stock["b"], stock["b steps"]) == (None, None)
+    assert (async_stock_run["b"], async_stock_run["b steps"]) == (None, scenario.STEP_LIMIT)
+    assert async_plugin_run["a"] == async_stock_run["a"] and async_plugin_run["a"]["num_cached_tokens"] == 0
+    if not adapter.mamba_chunk_count_capped:
+        assert (plugin["b"], async_plugin_run["b"], async_plugin_run["b steps"]) == (None, None, scenario.STEP_LIMIT)
+        return
+    b, uncached = async_plugin_run["b"], async_plugin_run["b uncached"]
+    # One step refused with the hit, the prefill's chunks, three more tokens, and the async queue (8 on 0.32).
+    assert plugin["b"] == 0 and b is not None and b["num_cached_tokens"] == 0
+    assert async_plugin_run["b steps"] == plugin["b steps"] < scenario.STEP_LIMIT
     assert uncached["num_cached_tokens"] == 0
     assert (b["token_ids"], b["logprobs"]) == (uncached["token_ids"], uncached["logprobs"])
