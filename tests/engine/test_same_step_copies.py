@@ -69,7 +69,7 @@ def plugin_run(model_dir):
 
 @pytest.fixture(scope="module")
 def stock_run(model_dir, plugin_run):  # after plugin_run: one engine at a time
-    return stock_result(same_step_scenario.__file__, model_dir, "SAME_STEP_RESULT", STOCK_TIMEOUT_S)
+    return stock_result(same_step_scenario.__file__, model_dir, "SAME_STEP_RESULT", timeout_s=STOCK_TIMEOUT_S)
 
 
 def max_shift(run: dict, name: str, reference: str) -> float:
