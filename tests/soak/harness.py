@@ -399,10 +399,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10_000, help="engine steps per variant (default 10000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", help="variant name (default: all)")
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="engine core as under AsyncScheduler (GPU vllm serve's default)"
+    )
     args = parser.parse_args(argv)
 
     import hybrid_kv_plugin
     from hybrid_kv_plugin.registration import STATE, Status
+    from hybrid_kv_plugin.sim.engine import default_scheduling
 
     hybrid_kv_plugin.register()
     if STATE.status is not Status.ACTIVE:
@@ -415,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = False
     for variant in chosen:
         started = time.monotonic()
-        counts, checks, violations = soak(adapter, variant, args.steps, args.seed)
+        with default_scheduling(args.async_scheduling):
+            counts, checks, violations = soak(adapter, variant, args.steps, args.seed)
         failed |= bool(violations)
         print(
             f"soak vllm {adapter.version} {variant.name}: steps={counts.steps} requests={counts.requests} "
