@@ -104,13 +104,17 @@ def running_llm(model_dir: Path, geometry: EngineGeometry, **overrides: Any) -> 
 
 
 @contextlib.contextmanager
-def async_scheduling_kept() -> Iterator[None]:
-    """Engines built inside keep ``async_scheduling`` as requested, so they run ``AsyncScheduler``.
+def async_scheduling_kept(enabled: bool = True) -> Iterator[None]:
+    """Engines built inside keep ``async_scheduling`` as requested, so they run ``AsyncScheduler``
+    (``enabled`` False: nothing changes, for callers that choose the scheduler by a parameter).
 
     vLLM's CPU platform turns it off for every engine ("async scheduling is not required on
     CPU"); here ``CpuPlatform.check_and_update_config`` runs unchanged, then the requested
     value is put back (test-only: a GPU ``vllm serve`` runs ``AsyncScheduler`` by default).
     """
+    if not enabled:
+        yield
+        return
     import pytest
     from vllm.platforms.cpu import CpuPlatform
 

@@ -11,7 +11,6 @@ test_hit_never_fits_engine.py runs it that way with ``HYBRID_KV_PLUGIN_DISABLE=1
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import sys
@@ -36,6 +35,12 @@ def geometry():
     from engine_run import ENGINE_GEOMETRY
 
     return dataclasses.replace(ENGINE_GEOMETRY, max_model_len=MAX_MODEL_LEN)
+
+
+def engine_options(scheduling: str) -> dict[str, Any]:
+    """The engine's overrides for ``scheduling`` ("sync" or "async"; build it inside
+    ``engine_run.async_scheduling_kept(scheduling == "async")``)."""
+    return dict(ENGINE_OPTIONS, async_scheduling=scheduling == "async")
 
 
 def run(llm) -> dict[str, Any]:
@@ -67,9 +72,8 @@ def main(model_dir: str, scheduling: str) -> None:
 
     from engine_run import async_scheduling_kept, report_to_parent
 
-    options = dict(ENGINE_OPTIONS, async_scheduling=scheduling == "async")
-    with async_scheduling_kept() if scheduling == "async" else contextlib.nullcontext():
-        report_to_parent(Path(model_dir), geometry(), run, "HIT_NEVER_FITS_RESULT", **options)
+    with async_scheduling_kept(scheduling == "async"):
+        report_to_parent(Path(model_dir), geometry(), run, "HIT_NEVER_FITS_RESULT", **engine_options(scheduling))
 
 
 if __name__ == "__main__":

@@ -16,17 +16,14 @@ on 0.29 vLLM's own async block count preempts b at its last chunk whatever the p
 
 from __future__ import annotations
 
-import contextlib
-
 import hit_never_fits_scenario as scenario
 import pytest
 from engine_run import async_scheduling_kept, running_llm, stock_result
 
 
 def _plugin_run(model_dir, scheduling):
-    options = dict(scenario.ENGINE_OPTIONS, async_scheduling=scheduling == "async")
-    with async_scheduling_kept() if scheduling == "async" else contextlib.nullcontext():
-        with running_llm(model_dir, scenario.geometry(), **options) as llm:
+    with async_scheduling_kept(scheduling == "async"):
+        with running_llm(model_dir, scenario.geometry(), **scenario.engine_options(scheduling)) as llm:
             return scenario.run(llm)
 
 
