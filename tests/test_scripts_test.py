@@ -74,3 +74,64 @@ def test_an_interrupted_run_removes_its_temp_folders_and_stops_its_pytest(tmp_pa
                 assert False, f"the inner pytest ({inner}) outlived the interrupted run"
     assert run.returncode == 130, out.read_text()
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+# A stand-in for uv (the edge, not the code under test): its first FAILS `uv venv` calls fail
+# as uv 0.13.9 does when a concurrent install loses a cache file; later ones make a bare venv,
+# and every `uv pip install` succeeds without installing anything.
+FLAKY_UV = """\
+#!/usr/bin/env bash
+echo "$*" >>"$FAKE_UV_CALLS"
+if [[ "$1" == venv ]]; then
+    tries=$(grep -c '^venv ' "$FAKE_UV_CALLS")
+    if ((tries <= FAKE_UV_FAILS)); then
+        echo "error: Failed to write to the client cache" >&2
+        echo "  cause: failed to rename file from .tmpX to pypi/x.rkyv: No such file or directory (os error 2)" >&2
+        exit 2
+    fi
+    exec python3 -m venv --without-pip "${@: -1}"
+fi
+"""
+
+
+def _setup_with_flaky_uv(tmp_path: Path, failures: int) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    tools, venvs, logs, scratch = (tmp_path / name for name in ("bin", "venvs", "logs", "tmp"))
+    for folder in (tools, venvs, logs, scratch):
+        folder.mkdir()
+    (tools / "uv").write_text(FLAKY_UV)
+    (tools / "uv").chmod(0o755)
+    calls = tmp_path / "uv-calls.txt"
+    calls.touch()
+    env = dict(
+        os.environ,
+        PATH=f"{tools}{os.pathsep}{os.environ['PATH']}",
+        TMPDIR=str(scratch),
+        HYBRID_KV_VENV_ROOT=str(venvs),
+        HYBRID_KV_LOG_DIR=str(logs),
+        HYBRID_KV_FIND_LINKS=str(tmp_path),  # one install command, no index
+        FAKE_UV_CALLS=str(calls),
+        FAKE_UV_FAILS=str(failures),
+    )
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test"), "--setup-only", "0.33.0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert sorted(scratch.iterdir()) == []
+    return run, calls.read_text().splitlines(), venvs / "vllm-0.33.0"
+
+
+def test_a_venv_build_that_loses_a_uv_cache_race_is_retried(tmp_path):
+    run, calls, venv = _setup_with_flaky_uv(tmp_path, failures=2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [c.split()[0] for c in calls if c.startswith("venv ")] == ["venv"] * 3
+    assert run.stdout.count("vllm 0.33.0: venv install failed (try ") == 2
+    assert "vllm 0.33.0: venv install failed (try 2 of 3" in run.stdout
+    assert (venv / ".hybrid-kv-stamp").is_file() and (venv / ".hybrid-kv-plugin-stamp").is_file()
+
+
+def test_a_venv_build_that_fails_three_times_fails_its_wheel_and_leaves_no_venv(tmp_path):
+    run, calls, venv = _setup_with_flaky_uv(tmp_path, failures=3)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert len([c for c in calls if c.startswith("venv ")]) == 3
+    assert "venv install failed (3 tries)" in run.stdout
+    assert not venv.exists()
