@@ -89,7 +89,7 @@ if [[ "$1" == venv ]]; then
         echo "  cause: failed to rename file from .tmpX to pypi/x.rkyv: No such file or directory (os error 2)" >&2
         exit 2
     fi
-    exec python3 -m venv --without-pip "${@: -1}"
+    exec "$FAKE_UV_PYTHON" -m venv --without-pip "${@: -1}"
 fi
 """
 
@@ -111,6 +111,7 @@ def _setup_with_flaky_uv(tmp_path: Path, failures: int) -> tuple[subprocess.Comp
         HYBRID_KV_FIND_LINKS=str(tmp_path),  # one install command, no index
         FAKE_UV_CALLS=str(calls),
         FAKE_UV_FAILS=str(failures),
+        FAKE_UV_PYTHON=sys.executable,
     )
     run = subprocess.run(
         ["bash", str(ROOT / "scripts" / "test"), "--setup-only", "0.33.0"],
