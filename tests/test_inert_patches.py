@@ -126,7 +126,11 @@ def _bound(engine) -> dict[str, str]:
     return bound
 
 
-MAMBA_MANAGER_STOCK = {"MambaManager.cache_blocks": "stock", "MambaManager._cache_partial_tail_block": "stock"}
+def mamba_manager_unpatched(adapter) -> dict[str, str]:
+    """The Mamba manager's bindings with every option off: the wheel's own methods, except the
+    partial-tail one where the vLLM fix ``prompt_tail_keyed_once`` (no option) goes in."""
+    tail = "prompt_tail_keyed_once" if adapter.native_prompt_tail_keyed_after_its_chunk else "stock"
+    return {"MambaManager.cache_blocks": "stock", "MambaManager._cache_partial_tail_block": tail}
 
 
 def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
@@ -140,7 +144,7 @@ def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
         expected.update(scheduler="stock")
     if adapter.mamba_manager_attributes_past_inline:
         # 0.30+: the Mamba manager is already off inline storage, so it is bound too.
-        expected.update(MAMBA_MANAGER_STOCK)
+        expected.update(mamba_manager_unpatched(adapter))
     # Nothing else is bound on the managers (see hybrid_kv_plugin.inert_patches).
     assert _bound(engine) == expected
     managers = sorted(type(m).__name__ for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers)
@@ -205,7 +209,7 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
                 assert manager.cache_blocks.__func__ is coordinator._stock_mamba_manager_cls.cache_blocks
     else:  # native junction: nothing of the plugin's junction is installed
         assert managers == ["FullAttentionManager", "MambaManager"]
-        assert bound == {"scheduler": "stock", **MAMBA_MANAGER_STOCK}
+        assert bound == {"scheduler": "stock", **mamba_manager_unpatched(adapter)}
 
 
 # ---------------------------------------------------------------------------------------------

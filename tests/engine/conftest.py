@@ -51,7 +51,7 @@ collect_ignore = [] if importlib.util.find_spec("mooncake") is not None else ["t
 # after them) would otherwise lose mid-session.
 OWN_ENGINE_MODULES = (
     "test_prompt_tail_engine.py", "test_output_checkpoint_engine.py", "test_same_step_copies.py", "test_async_scheduling.py",
-    "test_divergence_engine.py", "test_hit_never_fits_engine.py",
+    "test_divergence_engine.py", "test_hit_never_fits_engine.py", "test_prompt_tail_keyed_once_engine.py",
 )
 
 

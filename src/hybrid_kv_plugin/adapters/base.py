@@ -134,6 +134,10 @@ class VllmAdapter:
     native_prompt_tail_keeps_replay_position: ClassVar[bool] = False
     native_prompt_tail_eagle_shift: ClassVar[bool] = False
     mamba_partial_tail_producer_holds_block: ClassVar[bool] = False
+    # The native prompt-tail state sits at the prompt's last boundary, which under AsyncScheduler is
+    # offered to the Mamba manager again after the first decode was scheduled (0.26-0.31; patch
+    # prompt_tail_keyed_once).
+    native_prompt_tail_keyed_after_its_chunk: ClassVar[bool] = True
     # Under sparse prefix-cache retention the Mamba manager keeps a full block's state only at
     # the positions its ``cache_blocks`` receives as ``replay_boundaries`` (0.30+); the
     # prompt_tail_retention patch adds the kept prompt-tail positions there.

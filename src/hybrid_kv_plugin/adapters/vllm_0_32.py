@@ -10,6 +10,8 @@ class Vllm032Adapter(Vllm031Adapter):
     # kv_cache_interface.get_mamba_prefill_checkpoint_position leaves the last prompt
     # token to recompute, so an exact replay of the prompt hits the kept state.
     native_prompt_tail_keeps_replay_position = True
+    # ... which a later prompt chunk always follows: never keyed again after a decode.
+    native_prompt_tail_keyed_after_its_chunk = False
 
     @classmethod
     def probe(cls) -> bool:

@@ -46,6 +46,7 @@ from hybrid_kv_plugin.patches import (
     output_checkpoint_manager,
     output_checkpoint_offload,
     prompt_tail_attention,
+    prompt_tail_keyed_once,
     prompt_tail_manager,
     prompt_tail_retention,
     prompt_tail_split,
@@ -65,7 +66,8 @@ if TYPE_CHECKING:
 # the Mamba managers record boundary hand-offs before the scheduler publishes them.
 # Patches of one target install in this order, each wrapping the one before (0.29:
 # prompt_tail_split wraps junction_split; output_checkpoint_bind wraps scheduler_plugin_config and
-# divergence_bind wraps both; output_checkpoint_manager wraps prompt_tail_manager;
+# divergence_bind wraps both; output_checkpoint_manager wraps prompt_tail_manager, which wraps
+# prompt_tail_keyed_once;
 # divergence_attention_keys wraps prompt_tail_attention), and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
@@ -79,6 +81,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     mamba_allocated_mark,
     boundary_handoff_publish,
     truncate_mamba_lookup,
+    prompt_tail_keyed_once,
     prompt_tail_split,
     prompt_tail_manager,
     prompt_tail_retention,
