@@ -36,9 +36,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prompt-tail-keyed-again-after-its-chunk",
         "patches/prompt_tail_keyed_once.py",
-        "            request.num_computed_tokens >= num_tokens\n",
+        "            and request.num_computed_tokens >= num_tokens\n",
         # The guard never holds: the prompt-tail state is keyed again after a decode overwrote it.
-        "            request.num_computed_tokens >= num_tokens > 1 << 30\n",
+        "            and request.num_computed_tokens >= num_tokens > 1 << 30\n",
         ("tests/test_prompt_tail_keyed_once.py::test_plugin_async_keys_it_once",),
         ("0.29.0",),
     ),

@@ -174,14 +174,10 @@ def test_fine_grained_hits_require_eager_offload(plugin, adapter, feature):
 
 # ---------------------------------------------------------------------- store path
 # Under AsyncScheduler the prefill's output arrives after the first decode is scheduled, and
-# 0.26-0.31 then key the prompt tail a second time on the running Mamba block, which already
-# holds the state after 337: one more hand-off of 336 (a later state under that key). The
-# backport skips it (a copy under the key is in flight); vLLM's native side stores it.
-ASYNC_REKEYS_PROMPT_TAIL = ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0")
-
-
-def _rekeyed(adapter, scheduling) -> bool:
-    return scheduling == "async" and adapter.version in ASYNC_REKEYS_PROMPT_TAIL
+# 0.26-0.31 then keyed the prompt tail a second time on the running Mamba block, which already
+# holds the state after 337 (one more hand-off of 336, a later state under that key): the plugin's
+# vLLM fix prompt_tail_keyed_once stops that, so A's prompt tail is handed off once under both
+# schedulers (tests/test_prompt_tail_keyed_once.py shows stock vLLM).
 
 
 @pytest.mark.both_schedulers
@@ -200,17 +196,12 @@ def test_mamba_blocks_never_scanned_positionally(plugin, adapter, feature, sched
     offered = [[(block, boundary) for group, block, boundary in step if group == 1] for step in log.handoffs]
     mamba_blocks.update(block for step in offered for block, _ in step)
     stored_mamba = [[b for b in stored if b in mamba_blocks] for stored in log.stores]
-    rekeyed = _rekeyed(adapter, scheduling)
-    skipped = rekeyed and feature is Support.BACKPORT
-    stored_offers = [[block for block, boundary in step if not (skipped and step_index and boundary == 336
-                      and any(b == 336 for earlier in offered[:step_index] for _, b in earlier))]
-                     for step_index, step in enumerate(offered)]
-    assert stored_mamba == stored_offers
+    assert stored_mamba == [[block for block, _ in step] for step in offered]
     # Exactly the Mamba states the GPU keeps leave: the prompt-tail state of 336 tokens
     # (and the whole-block state at 320 where the wheel keeps one).
     expected = [320, 336] if adapter.version in KEEPS_EVERY_MAMBA_BLOCK else [336]
-    assert [boundary for step in offered for _, boundary in step] == expected + [336] * rekeyed
-    assert sum(map(len, stored_mamba)) == len(expected) + (rekeyed and not skipped)
+    assert [boundary for step in offered for _, boundary in step] == expected
+    assert sum(map(len, stored_mamba)) == len(expected)
     run.invariants.check()
 
 
@@ -307,17 +298,13 @@ def test_boundary_store_stats_same_fields_everywhere(plugin, adapter, feature, s
     assert connector.offload_mode in (OffloadMode.BACKPORT, OffloadMode.NATIVE)
     cpu_tier_hit(run, tokens(n))
     published, stored, already_cached = STATS_AFTER_REPLAY[adapter.version]
-    # Async: A's re-keyed prompt tail (see ASYNC_REKEYS_PROMPT_TAIL), skipped by the backport, stored natively.
-    rekeyed = _rekeyed(adapter, scheduling)
-    skipped = int(rekeyed and feature is Support.BACKPORT)
-    published, stored = published + rekeyed, stored + (rekeyed - skipped)
     assert connector.get_boundary_store_stats().as_dict() == {
         "published": published,
         "stored": stored,
         "dropped_cpu_full": 0,
         "dropped_request_gone": 0,
         "skipped_already_cached": already_cached,
-        "skipped_in_flight": skipped,
+        "skipped_in_flight": 0,
         "dropped_null_block": 0,
         "dropped_not_hashed": 0,
         "declined_request_end": 0,

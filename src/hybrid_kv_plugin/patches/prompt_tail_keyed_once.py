@@ -17,12 +17,15 @@ tier stores whichever of the two it is handed (tests/test_prompt_tail_keyed_once
 Every prompt of a multiple of the unit that does not end on a Mamba block end.
 
 What it changes: a call for a prompt position the request has already been
-scheduled up to or past (``request.num_computed_tokens >= num_tokens``: the chunk
-being allocated, or one in flight, overwrites the block before the copy would run)
-keys nothing and returns None, as vLLM already does for its shared-prefix position.
-The first registration, made while the chunk that ends at B is being allocated,
-is untouched, and so are positions past the prompt, Mamba block ends and
-backend-exported checkpoints (0.30-0.31).
+scheduled up to or past while it has a sampled token in flight
+(``request.num_output_placeholders``, AsyncScheduler's count of them, and
+``request.num_computed_tokens >= num_tokens``: the decode being allocated, or one in
+flight, overwrites the block before the copy would run) keys nothing and returns
+None, as vLLM already does for its shared-prefix position. Without a token in
+flight (``Scheduler`` always; a prefill chunk; a boundary reached by a load) the
+block still holds the state and the call goes to the wrapped method unchanged, as
+do positions past the prompt, Mamba block ends and backend-exported checkpoints
+(0.30-0.31).
 
 Upstream: none for the bug; vLLM 0.32 moved its prompt-tail state to the last
 boundary <= N-1 (``get_mamba_prefill_checkpoint_position``), which a later prompt
@@ -66,7 +69,8 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
     @functools.wraps(original)
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         if (
-            request.num_computed_tokens >= num_tokens
+            request.num_output_placeholders
+            and request.num_computed_tokens >= num_tokens
             and num_tokens <= request.num_prompt_tokens
             and num_tokens % self.block_size
             and not adapter.mamba_exports_checkpoint(self, request.request_id)
