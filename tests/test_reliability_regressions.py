@@ -335,3 +335,23 @@ def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, mo
     )
     _, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [violation]
+
+
+# vLLM's prompt-tail Mamba state keyed again under AsyncScheduler (patches/prompt_tail_keyed_once.py):
+# per wheel, a seed of the `stock` variant that read or loaded a state one token past its hash boundary
+# before the fix (0.30.0 seed 3: step 5,232, q517's 16-token CPU-tier hit held the state after 17), and
+# (steps, loads whose bytes were checked) of the fixed run. 0.26-0.28 run stock vLLM's soak on 64-token
+# units, which leave no prompt tail inside a block (tests/test_prompt_tail_keyed_once.py covers those
+# wheels); 0.32+ keep their prompt-tail state where no decode reaches it.
+ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_006, 218), "0.30.0": (3, 10_005, 177), "0.31.0": (1, 10_008, 157)}
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_async_soak_reads_no_mamba_state_past_its_boundary(plugin, adapter, scheduling):
+    if adapter.version not in ASYNC_PROMPT_TAIL_SEEDS:
+        assert adapter.version in ("0.26.0", "0.27.1", "0.28.0", "0.32.0", "0.33.0")
+        return
+    seed, steps, checked_loads = ASYNC_PROMPT_TAIL_SEEDS[adapter.version]
+    counts, _, violations = soak(adapter, _variant(adapter, "stock"), 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0
+    assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
