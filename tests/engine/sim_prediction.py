@@ -7,6 +7,8 @@ the copies are simulated. The engine test holds the simulator to the engine's nu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine_run import MAX_TOKENS, EngineGeometry
@@ -53,3 +55,32 @@ def predict(
         hit = engine.run([(request_id, prompt)], max_tokens=MAX_TOKENS)[request_id]
         hits.append(PredictedHit(hit=hit, external=engine.outcomes[request_id].external_tokens))
     return hits
+
+
+@contextlib.contextmanager
+def small_pool_engine(
+    geometry: EngineGeometry, num_gpu_blocks: int, *, async_scheduling: bool, plugin: bool = True
+) -> Iterator[SimEngine]:
+    """The engine's geometry on a ``num_gpu_blocks`` pool with no connector (the tiny model's three
+    Mamba layers as three groups), under ``async_scheduling``'s engine core. The plugin is registered
+    in this process, as the engine tests have it; ``plugin=False`` (stock vLLM) uninstalls it for the
+    prediction and registers it again."""
+    import hybrid_kv_plugin
+
+    if not plugin:
+        hybrid_kv_plugin.uninstall()
+    try:
+        yield SimEngine(
+            HybridGeometry(
+                attention_block_size=geometry.attention_block_size,
+                mamba_block_size=geometry.mamba_block_size,
+                hash_block_size=geometry.prefix_match_unit,
+                num_gpu_blocks=num_gpu_blocks,
+                max_model_len=geometry.max_model_len,
+                mamba_groups=3,
+            ),
+            async_scheduling=async_scheduling,
+        )
+    finally:
+        if not plugin:
+            hybrid_kv_plugin.register()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hit_never_fits_scenario as scenario
 import pytest
 from engine_run import async_scheduling_kept, running_llm, stock_result
+from sim_prediction import small_pool_engine
 
 
 def _plugin_run(model_dir, scheduling):
@@ -52,35 +53,21 @@ def predicted(scheduling: str = "sync", plugin: bool = True) -> dict[str, int | 
     limit), by the simulator: the wheel's real scheduler, this geometry, ``scheduling``'s engine
     core. The plugin is registered in this process (as the engine tests have it); ``plugin=False``
     uninstalls it for the prediction and registers it again."""
-    import hybrid_kv_plugin
-    from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-    from hybrid_kv_plugin.sim.engine import default_scheduling
-
     from engine_run import MAX_TOKENS
 
-    g = scenario.geometry()
     p = scenario.prompt()
-    if not plugin:
-        hybrid_kv_plugin.uninstall()
-    try:
-        with default_scheduling(scheduling == "async"):
-            sim = SimEngine(HybridGeometry(
-                attention_block_size=g.attention_block_size, mamba_block_size=g.mamba_block_size,
-                hash_block_size=g.prefix_match_unit, num_gpu_blocks=scenario.POOL_BLOCKS,
-                max_model_len=g.max_model_len, mamba_groups=3,
-            ))  # fmt: skip
-            hits = sim.run([("a", p[: scenario.A_LENGTH])], max_tokens=MAX_TOKENS)
-            arrival = len(sim.steps)
-            sim.add_request("b", p, max_tokens=MAX_TOKENS)
-            try:
-                sim.run_until_idle(max_steps=scenario.STEP_LIMIT)
-            except RuntimeError:
-                return {**hits, "b": None, "b steps": None}
-            (end,) = [record.index for record in sim.steps if "b" in record.finished]
-            return {**hits, "b": sim.outcomes["b"].hit_tokens, "b steps": end - arrival + 1}
-    finally:
-        if not plugin:
-            hybrid_kv_plugin.register()
+    with small_pool_engine(
+        scenario.geometry(), scenario.POOL_BLOCKS, async_scheduling=scheduling == "async", plugin=plugin
+    ) as sim:
+        hits = sim.run([("a", p[: scenario.A_LENGTH])], max_tokens=MAX_TOKENS)
+        arrival = len(sim.steps)
+        sim.add_request("b", p, max_tokens=MAX_TOKENS)
+        try:
+            sim.run_until_idle(max_steps=scenario.STEP_LIMIT)
+        except RuntimeError:
+            return {**hits, "b": None, "b steps": None}
+        (end,) = [record.index for record in sim.steps if "b" in record.finished]
+        return {**hits, "b": sim.outcomes["b"].hit_tokens, "b steps": end - arrival + 1}
 
 
 def test_stock_never_starts_b(stock_run):

@@ -14,9 +14,12 @@ shows the same on every stock wheel); 0.32+ keep their prompt-tail state elsewhe
 
 from __future__ import annotations
 
+import functools
+
 import prompt_tail_keyed_once_scenario as scenario
 import pytest
 from engine_run import MAX_TOKENS, async_scheduling_kept, running_llm, stock_result
+from sim_prediction import small_pool_engine
 
 # bf16 noise between chunkings stays under 0.1 (test_wrong_load.py); a wrong state moves more.
 WRONG_STATE_MIN_SHIFT = 0.15
@@ -34,35 +37,20 @@ def stock_run(model_dir, plugin_run):  # after plugin_run: one engine at a time
     return stock_result(scenario.__file__, model_dir, scenario.MARKER, str(predicted(plugin=False)[2]))
 
 
+@functools.cache  # asked by a fixture and again by its test
 def predicted(plugin: bool) -> tuple[int, int, int]:
     """b's hit, the wrong Mamba states it reads and where its first computed chunk ends, by the
     simulator (the wheel's real scheduler, this geometry, AsyncScheduler's engine core);
     ``plugin=False`` predicts stock vLLM."""
-    import hybrid_kv_plugin
-    from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-    from hybrid_kv_plugin.sim.engine import default_scheduling
-
-    g = scenario.geometry()
     p = scenario.prompt()
-    if not plugin:
-        hybrid_kv_plugin.uninstall()
-    try:
-        with default_scheduling(True):
-            sim = SimEngine(HybridGeometry(
-                attention_block_size=g.attention_block_size, mamba_block_size=g.mamba_block_size,
-                hash_block_size=g.prefix_match_unit, num_gpu_blocks=scenario.POOL_BLOCKS,
-                max_model_len=g.max_model_len, mamba_groups=3,
-            ))  # fmt: skip
-            for request_id, tokens in (("a", p[: scenario.A_LENGTH]), ("filler", scenario.filler()), ("b", p)):
-                sim.add_request(request_id, tokens, max_tokens=MAX_TOKENS)
-                while sim.has_work():
-                    sim.step()
-            hit = sim.outcomes["b"].hit_tokens
-            first_chunk = next(step.num_scheduled_tokens["b"] for step in sim.steps if "b" in step.num_scheduled_tokens)
-            return hit, len(sim.byte_cache.violations), hit or first_chunk
-    finally:
-        if not plugin:
-            hybrid_kv_plugin.register()
+    with small_pool_engine(scenario.geometry(), scenario.POOL_BLOCKS, async_scheduling=True, plugin=plugin) as sim:
+        for request_id, tokens in (("a", p[: scenario.A_LENGTH]), ("filler", scenario.filler()), ("b", p)):
+            sim.add_request(request_id, tokens, max_tokens=MAX_TOKENS)
+            while sim.has_work():
+                sim.step()
+        hit = sim.outcomes["b"].hit_tokens
+        first_chunk = next(step.num_scheduled_tokens["b"] for step in sim.steps if "b" in step.num_scheduled_tokens)
+        return hit, len(sim.byte_cache.violations), hit or first_chunk
 
 
 def _shift(run: dict) -> float:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.patching import Installs, ReadsFingerprint, PatchSpec
+from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
