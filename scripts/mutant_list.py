@@ -99,11 +99,20 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hit-never-fits-drops-any-refused-hit",
         "patches/local_hit_admission.py",
-        "        if blocks is None and num_new_computed_tokens and pool_is_empty(self.block_pool):\n",
+        "            if num_new_computed_tokens and pool_is_empty(self.block_pool):\n",
         # Drops the hit of any refused request, also one that waits only for others to finish.
-        "        if blocks is None and num_new_computed_tokens:\n",
+        "            if num_new_computed_tokens:\n",
         ("tests/test_hit_never_fits.py::test_plugin_keeps_a_hit_refused_while_another_request_runs",),
         ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "hit-never-fits-drop-kept-for-life",
+        "patches/local_hit_admission.py",
+        "            request.skip_reading_prefix_cache = request.get_skip_reading_prefix_cache()\n",
+        # The dropped hit stays dropped: every later admission recomputes from token 0.
+        "            pass\n",
+        ("tests/test_hit_never_fits.py::test_async_plugin_recomputes_b_without_the_hit",),
+        ("0.29.0",),
     ),
     Mutant(
         "async-load-landing-copy-not-reserved",

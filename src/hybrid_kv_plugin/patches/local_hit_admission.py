@@ -41,7 +41,11 @@ What it changes (three attributes, installed together):
   one, so no later step has more room), the request stops reading the prefix cache
   (``request.skip_reading_prefix_cache``, vLLM's own switch for requests that must
   recompute): it is admitted on the next step and computed in full, its blocks
-  still cached for others; a warning says so once;
+  still cached for others; a warning says so once. Only for that admission: once
+  allocated, the request reads the cache again (vLLM's own setting back), so a
+  later preemption resumes from what it computed (kept for good, a request that
+  0.29's ``AsyncScheduler`` preempts at its first decode recomputed from token 0
+  every time: soak ``plugin`` attention 64, seed 8, on 0.29);
 * ``KVCacheManager.new_step_starts``: forgets the marks (the scheduler calls it
   before each step's allocations).
 
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
@@ -158,9 +163,14 @@ def pool_is_empty(block_pool: Any) -> bool:
     return block_pool.get_num_free_blocks() >= block_pool.num_gpu_blocks - 1
 
 
+# Requests admitted without their hit: they read the prefix cache again once allocated.
+_READING_DROPPED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def read_no_cache(request: Any) -> None:
-    """From now on ``request`` is computed without prefix-cache hits (its blocks are still cached)."""
+    """``request``'s next admission is computed without prefix-cache hits (its blocks are still cached)."""
     request.skip_reading_prefix_cache = True
+    _READING_DROPPED.add(request)
     log_once(
         logging.WARNING,
         "hybrid-kv-plugin: a request's prefix-cache hit needs more KV blocks than the whole pool holds; "
@@ -192,8 +202,12 @@ def _wrap_admit(original: Any) -> Any:
         ):
             return None  # not this step: the scheduler tries again next step
         blocks = original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs)
-        if blocks is None and num_new_computed_tokens and pool_is_empty(self.block_pool):
-            read_no_cache(request)
+        if blocks is None:
+            if num_new_computed_tokens and pool_is_empty(self.block_pool):
+                read_no_cache(request)
+        elif request.skip_reading_prefix_cache and request in _READING_DROPPED:  # one attribute test for most
+            _READING_DROPPED.discard(request)
+            request.skip_reading_prefix_cache = request.get_skip_reading_prefix_cache()
         return blocks
 
     return allocate_slots
