@@ -43,6 +43,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "prompt-tail-keyed-once-bypassed-under-async",
+        "patches/prompt_tail_keyed_once.py",
+        "        inert_for=lambda _, scheduler: not outputs_arrive_late(scheduler),\n",
+        # Every engine calls past the fix, also under AsyncScheduler where it is needed.
+        "        inert_for=lambda _, scheduler: True,\n",
+        ("tests/test_prompt_tail_keyed_once.py::test_plugin_async_keys_it_once",),
+        ("0.30.0",),
+    ),
+    Mutant(
         "cpu-copy-published-under-a-neighbours-keys",
         FINE,
         "        for cpu_block, record in zip(cpu_blocks, staged):\n",
@@ -335,10 +344,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "junction-managers-call-inert-patches",
+        "junction/manager.py",
+        "    if target is patched:\n",
+        # The junction's managers keep calling the patched method through every inert wrapper.
+        "    if True:\n",
+        ("tests/test_inert_patches.py::test_junction_switch_on_keeps_the_junction_path",),
+        ("0.29.0",),
+    ),
+    Mutant(
         "inert-patches-bind-inline-mamba-managers",
         "inert_patches.py",
-        "    if adapter.mamba_manager_attributes_past_inline:\n",
-        "    if True:\n",
+        "        elif adapter.mamba_manager_attributes_past_inline and isinstance(manager, MambaManager):\n",
+        "        elif isinstance(manager, MambaManager):\n",
         # 0.29's Mamba manager keeps its attributes inline: it must get no binding.
         ("tests/test_inert_patches.py::test_options_off_bind_the_wheels_own_methods",),
         ("0.29.0",),

@@ -120,20 +120,27 @@ def _bound(engine) -> dict[str, str]:
         method = obj.__dict__.get(attr)
         if method is None:
             continue
-        owner = getattr(type(obj), "_stock_coordinator_cls", type(obj))  # the junction coordinator's stock
+        # The junction coordinator's and junction managers' stock class.
+        owner = getattr(type(obj), "_stock_coordinator_cls", None) or getattr(type(obj), "hybrid_kv_stock_class", type(obj))
         stock = inspect.unwrap(getattr(owner, attr))
-        bound[label] = "stock" if method.__func__ is stock else getattr(method.__func__, PATCH_MARKER, "other")
+        func = method.__func__
+        # A junction manager's own override, bound to fall through past inert patches.
+        prefix, func = ("junction, then ", func.falls_through_to) if hasattr(func, "falls_through_to") else ("", func)
+        bound[label] = prefix + ("stock" if func is stock else getattr(func, PATCH_MARKER, "other"))
     return bound
 
 
-def mamba_manager_unpatched(adapter) -> dict[str, str]:
+def mamba_manager_unpatched(adapter, under_async: bool = False) -> dict[str, str]:
     """The Mamba manager's bindings with every option off: the wheel's own methods, except the
-    partial-tail one where the vLLM fix ``prompt_tail_keyed_once`` (no option) goes in."""
-    tail = "prompt_tail_keyed_once" if adapter.native_prompt_tail_keyed_after_its_chunk else "stock"
+    partial-tail one under AsyncScheduler where the vLLM fix ``prompt_tail_keyed_once`` (no
+    option; inert without a sampled token in flight) goes in."""
+    keyed_once = under_async and adapter.native_prompt_tail_keyed_after_its_chunk
+    tail = "prompt_tail_keyed_once" if keyed_once else "stock"
     return {"MambaManager.cache_blocks": "stock", "MambaManager._cache_partial_tail_block": tail}
 
 
-def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
+@pytest.mark.both_schedulers
+def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter, scheduling):
     engine = make_engine(_geometry())
     expected: dict[str, str] = {}
     if adapter.version in JUNCTION_BACKPORT_WHEELS:
@@ -144,7 +151,7 @@ def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter):
         expected.update(scheduler="stock")
     if adapter.mamba_manager_attributes_past_inline:
         # 0.30+: the Mamba manager is already off inline storage, so it is bound too.
-        expected.update(mamba_manager_unpatched(adapter))
+        expected.update(mamba_manager_unpatched(adapter, under_async=scheduling == "async"))
     # Nothing else is bound on the managers (see hybrid_kv_plugin.inert_patches).
     assert _bound(engine) == expected
     managers = sorted(type(m).__name__ for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers)
@@ -186,7 +193,8 @@ def test_output_checkpoint_on_keeps_its_patches(plugin, make_engine, adapter):
     assert _bound(engine) == expected
 
 
-def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter):
+@pytest.mark.both_schedulers
+def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter, scheduling):
     engine = make_engine(_geometry(), additional_config={"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}})
     managers = sorted(type(m).__name__ for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers)
     bound = _bound(engine)
@@ -203,13 +211,20 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
         expected: dict[str, str] = {"coordinator": "stock"}
         if adapter.version in PROMPT_TAIL_WHEELS:
             expected["scheduler"] = "junction_split"
+        # The junction managers' partial-tail override falls through past the patches inert for
+        # them: every one under Scheduler; under AsyncScheduler it stops at the vLLM fix
+        # prompt_tail_keyed_once (0.26-0.28: the only patch there, so nothing is bound).
+        if scheduling == "sync":
+            expected["JunctionMambaManager._cache_partial_tail_block"] = "junction, then stock"
+        elif adapter.version in PROMPT_TAIL_WHEELS:
+            expected["JunctionMambaManager._cache_partial_tail_block"] = "junction, then prompt_tail_keyed_once"
         assert bound == expected
         for manager in coordinator.single_type_managers:
             if type(manager).__name__ == "JunctionMambaManager":
                 assert manager.cache_blocks.__func__ is coordinator._stock_mamba_manager_cls.cache_blocks
     else:  # native junction: nothing of the plugin's junction is installed
         assert managers == ["FullAttentionManager", "MambaManager"]
-        assert bound == {"scheduler": "stock", **mamba_manager_unpatched(adapter)}
+        assert bound == {"scheduler": "stock", **mamba_manager_unpatched(adapter, under_async=scheduling == "async")}
 
 
 # ---------------------------------------------------------------------------------------------

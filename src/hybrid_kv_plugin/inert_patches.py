@@ -8,8 +8,10 @@ are bound, on the object that runs them, past the patches that are inert for it
 Options never change after start-up, so neither does that.
 
 Only objects whose attributes are already off CPython's inline storage get a binding:
-the scheduler on every wheel, and the Mamba managers where the wheel's own constructor
-gives them more attributes than CPython keeps inline (0.30+, the adapter says). Elsewhere
+the scheduler on every wheel, the Mamba managers where the wheel's own constructor
+gives them more attributes than CPython keeps inline (0.30+, the adapter says), and
+the junction's re-typed Mamba managers (every wheel; their override falls through to
+the innermost patch that is not inert). Elsewhere
 a KV-cache manager keeps its attributes inline, and a class shares fewer free inline
 slots with each instance it creates; an attribute added later can move all of that
 manager's attributes to the slow path (with the plugin's other such cases, machine
@@ -33,20 +35,16 @@ MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block")
 
 
 def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
     from hybrid_kv_plugin.junction import plan_of
+    from hybrid_kv_plugin.junction.manager import bind_past_inert_patches, is_junction_manager
 
     # Bound first: an open junction plan re-types the Mamba managers (their own
     # override then decides), which must happen before anything is bound.
     plan_of(scheduler)
     for attr in SCHEDULER_METHODS:
         bypass_inert_patches(scheduler, attr, scheduler)
-    if adapter.mamba_manager_attributes_past_inline:
-        _bypass_on_mamba_managers(scheduler, adapter)
-
-
-def _bypass_on_mamba_managers(scheduler: Any, adapter: VllmAdapter) -> None:
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
     if adapter.prompt_tail_checkpoint_supported:
         from hybrid_kv_plugin.prompt_tail.binding import policy_of
 
@@ -54,6 +52,10 @@ def _bypass_on_mamba_managers(scheduler: Any, adapter: VllmAdapter) -> None:
         # ``inert_for`` read that binding, so it must exist before they are asked.
         policy_of(scheduler, adapter)
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
-        if isinstance(manager, MambaManager):
+        if is_junction_manager(manager):
+            # Re-typed, so off inline storage on every wheel: its override falls through
+            # past the wheel-method patches inert for it.
+            bind_past_inert_patches(manager, scheduler)
+        elif adapter.mamba_manager_attributes_past_inline and isinstance(manager, MambaManager):
             for attr in MAMBA_MANAGER_METHODS:
                 bypass_inert_patches(manager, attr, scheduler)

@@ -269,10 +269,16 @@ def bypass_inert_patches(obj: Any, attr: str, scheduler: Any) -> bool:
     scheduler; the Mamba managers of 0.30+) get a binding: :mod:`hybrid_kv_plugin.inert_patches`.
     """
     method = getattr(type(obj), attr, None)
-    target = method
-    while (inert := getattr(target, INERT_MARKER, None)) is not None and inert(obj, scheduler):
-        target = target.__wrapped__
+    target = past_inert_patches(method, obj, scheduler)
     if target is method:
         return False
     setattr(obj, attr, MethodType(target, obj))
     return True
+
+
+def past_inert_patches(method: Any, obj: Any, scheduler: Any) -> Any:
+    """``method`` (a class attribute) with its outermost patches that are inert for ``obj`` peeled off."""
+    target = method
+    while (inert := getattr(target, INERT_MARKER, None)) is not None and inert(obj, scheduler):
+        target = target.__wrapped__
+    return target

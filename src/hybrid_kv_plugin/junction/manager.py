@@ -12,10 +12,12 @@ method is the stock one: the class only adds behaviour behind ``junction_enabled
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
 from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
+from hybrid_kv_plugin.patching import past_inert_patches
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -75,10 +77,7 @@ def _build(stock: type, tracks_producers: bool) -> type:
             finally:
                 del self.reachable_block_mask
 
-        def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> Any:
-            if self.junction_enabled and self._is_added_checkpoint(request, num_tokens):
-                return self._checkpoint_partial_state(request, num_tokens)
-            return stock._cache_partial_tail_block(self, request, num_tokens)
+        _cache_partial_tail_block = _partial_tail_method(stock, None)
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
             # Asked only with ``junction_enabled``: an align manager with sub-block hash positions.
@@ -100,6 +99,43 @@ def _build(stock: type, tracks_producers: bool) -> type:
             # 0.27+ also offer the copy to a connector as this request's boundary state.
             return keep_partial_state(self, request, num_tokens, False if tracks_producers else None)
 
+    JunctionMambaManager.hybrid_kv_stock_class = stock
     JunctionMambaManager.__qualname__ = JunctionMambaManager.__name__
     JunctionMambaManager.__module__ = __name__
     return JunctionMambaManager
+
+
+def _partial_tail_method(stock: type, next_method: Any) -> Any:
+    """The junction's ``_cache_partial_tail_block``, falling through to ``next_method``.
+
+    ``None``: the wheel's method as patched, looked up at each call (other patches
+    replace ``stock._cache_partial_tail_block`` after this class is built).
+    """
+
+    def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> Any:
+        if self.junction_enabled and self._is_added_checkpoint(request, num_tokens):
+            return self._checkpoint_partial_state(request, num_tokens)
+        return (next_method or stock._cache_partial_tail_block)(self, request, num_tokens)
+
+    _cache_partial_tail_block.falls_through_to = next_method  # type: ignore[attr-defined]
+    return _cache_partial_tail_block
+
+
+def is_junction_manager(manager: Any) -> bool:
+    """Whether ``manager`` was adopted by a junction coordinator (:func:`adopt`)."""
+    return getattr(type(manager), "hybrid_kv_stock_class", None) is not None
+
+
+def bind_past_inert_patches(manager: Any, scheduler: Any) -> bool:
+    """Bind ``manager``'s partial-tail method to fall through past the wheel-method patches inert for it.
+
+    For an adopted junction manager only: the class swap already moved its attributes
+    off inline storage, so an instance binding costs nothing there (hybrid_kv_plugin.inert_patches).
+    """
+    stock = type(manager).hybrid_kv_stock_class
+    patched = stock._cache_partial_tail_block
+    target = past_inert_patches(patched, manager, scheduler)
+    if target is patched:
+        return False
+    manager._cache_partial_tail_block = MethodType(_partial_tail_method(stock, target), manager)
+    return True

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
+from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -68,13 +69,6 @@ def output_checkpoint_requested(scheduler: Any) -> bool:
     return bool(getattr(getattr(scheduler, "hybrid_kv_config", None), "mamba_output_checkpoint", False))
 
 
-def _outputs_arrive_late(scheduler: Any) -> bool:
-    """Whether ``scheduler`` is vLLM's ``AsyncScheduler`` (requests carry output placeholders)."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
-    return isinstance(scheduler, AsyncScheduler)
-
-
 def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
     """Bind the scheduler's option to its ``align`` Mamba managers; None when it stays off."""
     if not output_checkpoint_requested(scheduler):
@@ -101,7 +95,7 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> OutputCheckpoint | None:
         step=step,
         attention_block_sizes=tuple(sorted({m.block_size for m in attention if step % m.block_size})),
         eagle_drop=bool(getattr(scheduler, adapter.scheduler_eagle_drop_attr, False)),
-        late_outputs=_outputs_arrive_late(scheduler),
+        late_outputs=outputs_arrive_late(scheduler),
         speculative=bool(getattr(scheduler, "num_spec_tokens", 0)),
     )
     for manager in coordinator.single_type_managers:

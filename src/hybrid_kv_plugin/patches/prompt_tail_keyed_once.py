@@ -25,7 +25,8 @@ None, as vLLM already does for its shared-prefix position. Without a token in
 flight (``Scheduler`` always; a prefill chunk; a boundary reached by a load) the
 block still holds the state and the call goes to the wrapped method unchanged, as
 do positions past the prompt, Mamba block ends and backend-exported checkpoints
-(0.30-0.31).
+(0.30-0.31). An engine under ``Scheduler`` never has a token in flight: where its
+Mamba managers get bindings (inert_patches) they call past this patch.
 
 Upstream: none for the bug; vLLM 0.32 moved its prompt-tail state to the last
 boundary <= N-1 (``get_mamba_prefill_checkpoint_position``), which a later prompt
@@ -39,6 +40,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -62,6 +64,8 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
         build=lambda original: _wrap(original, adapter),
         why="under async scheduling the prompt-tail Mamba state is keyed again after a decode overwrote its block",
         upstream="vLLM 0.32 keeps the prompt-tail state at the last boundary <= N-1 (get_mamba_prefill_checkpoint_position)",
+        # Only AsyncScheduler puts a sampled token in flight: under Scheduler every call passes through.
+        inert_for=lambda _, scheduler: not outputs_arrive_late(scheduler),
     )
 
 
