@@ -43,6 +43,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "mamba-chunk-count-uncapped",
+        "patches/mamba_chunk_count_capped.py",
+        "        return min(count, max(missing, 0) + owed_copy)\n",
+        # The wheel's count stands: a resumed chunk owing only its copy is counted 2 blocks.
+        "        return count\n",
+        ("tests/test_hit_never_fits.py::test_async_b_alone_finishes_with_the_plugin",),
+        ("0.29.0",),
+    ),
+    Mutant(
         "prompt-tail-keyed-once-bypassed-under-async",
         "patches/prompt_tail_keyed_once.py",
         "        inert_for=lambda _, scheduler: not outputs_arrive_late(scheduler),\n",

@@ -62,6 +62,7 @@ def test_each_patch_names_what_it_serves(adapter, capsys):
         "finish_store_pinning": "vllm_fix",
         "same_step_copy_chains": "vllm_fix",
         "prompt_tail_keyed_once": "vllm_fix",
+        "mamba_chunk_count_capped": "vllm_fix",
         "local_hit_admission": "vllm_fix",
         "step_stats_without_outputs": "vllm_fix",
     }

@@ -27,6 +27,7 @@ REMOVAL_NOTES = {
     "mamba_allocated_mark": "0.28.0",
     "truncate_mamba_lookup": "0.28.0",
     "prompt_tail_keyed_once": "0.32.0",
+    "mamba_chunk_count_capped": "0.31.0",
     "prompt_tail_split": "not yet (present up to 0.33.0)",
     "prompt_tail_manager": "not yet (present up to 0.33.0)",
     "prompt_tail_retention": "not yet (present up to 0.33.0)",
@@ -92,23 +93,23 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
+        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "boundary_handoff_publish", "truncate_mamba_lookup", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
+        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "truncate_mamba_lookup", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "step_stats_without_outputs",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "boundary_handoff_publish", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
+        "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.29.0": [
-        "scheduler_plugin_config", "junction_coordinator", "junction_split", "prompt_tail_keyed_once", "prompt_tail_split",
+        "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split",
         "prompt_tail_manager", "prompt_tail_attention", "divergence_attention_keys", "output_checkpoint_bind",
         "divergence_bind", "output_checkpoint_manager", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],
     "0.30.0": [
-        "scheduler_plugin_config", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
+        "scheduler_plugin_config", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission",
     ],

@@ -338,12 +338,13 @@ def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, mo
 
 
 # vLLM's prompt-tail Mamba state keyed again under AsyncScheduler (patches/prompt_tail_keyed_once.py):
-# per wheel, a seed of the `stock` variant that read or loaded a state one token past its hash boundary
-# before the fix (0.30.0 seed 3: step 5,232, q517's 16-token CPU-tier hit held the state after 17), and
-# (steps, loads whose bytes were checked) of the fixed run. 0.26-0.28 run stock vLLM's soak on 64-token
+# per wheel, a seed of the `stock` variant that reads or loads a state one token past its hash boundary
+# without the fix (0.30.0 seed 4: step 6,154, q656's 16-token hit holds the state after 17; 0.29.0 seed 1:
+# step 9,574, q1041's hit at 96 holds the state after 97), and (steps, loads whose bytes were checked) of
+# the fixed run (with mamba_chunk_count_capped on 0.29-0.30; before it 0.30.0 seed 3 showed the bug). 0.26-0.28 run stock vLLM's soak on 64-token
 # units, which leave no prompt tail inside a block (tests/test_prompt_tail_keyed_once.py covers those
 # wheels); 0.32+ keep their prompt-tail state where no decode reaches it.
-ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_006, 218), "0.30.0": (3, 10_005, 177), "0.31.0": (1, 10_008, 157)}
+ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_019, 213), "0.30.0": (4, 10_002, 172), "0.31.0": (1, 10_008, 157)}
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)

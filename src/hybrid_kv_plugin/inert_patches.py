@@ -24,14 +24,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import bypass_inert_patches
+from hybrid_kv_plugin.scheduler_kind import note_scheduler
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 # Patched methods that run per request per step, with a per-engine option.
 SCHEDULER_METHODS = ("_mamba_block_aligned_split",)
-# Patched Mamba-manager methods that run per group per step (cache_blocks calls the second).
-MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block")
+# Patched Mamba-manager methods that run per group per step (cache_blocks calls the second; the
+# scheduler's block counts call the third).
+MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block", "get_num_blocks_to_allocate")
 
 
 def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
@@ -40,6 +42,7 @@ def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
     from hybrid_kv_plugin.junction import plan_of
     from hybrid_kv_plugin.junction.manager import bind_past_inert_patches, is_junction_manager
 
+    note_scheduler(scheduler)
     # Bound first: an open junction plan re-types the Mamba managers (their own
     # override then decides), which must happen before anything is bound.
     plan_of(scheduler)
@@ -56,6 +59,7 @@ def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
             # Re-typed, so off inline storage on every wheel: its override falls through
             # past the wheel-method patches inert for it.
             bind_past_inert_patches(manager, scheduler)
+            bypass_inert_patches(manager, "get_num_blocks_to_allocate", scheduler)
         elif adapter.mamba_manager_attributes_past_inline and isinstance(manager, MambaManager):
             for attr in MAMBA_MANAGER_METHODS:
                 bypass_inert_patches(manager, attr, scheduler)

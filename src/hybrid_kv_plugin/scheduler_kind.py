@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+# The KV-cache managers (GPU side) of every AsyncScheduler built with the plugin: per-group code
+# asks here rather than getting an attribute (0.26-0.29 managers keep theirs inline).
+_ASYNC_SCHEDULERS_MANAGERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def outputs_arrive_late(scheduler: Any) -> bool:
@@ -10,3 +15,14 @@ def outputs_arrive_late(scheduler: Any) -> bool:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     return isinstance(scheduler, AsyncScheduler)
+
+
+def note_scheduler(scheduler: Any) -> None:
+    """Remember ``scheduler``'s KV-cache managers if it is an ``AsyncScheduler`` (at the end of its constructor)."""
+    if outputs_arrive_late(scheduler):
+        _ASYNC_SCHEDULERS_MANAGERS.update(scheduler.kv_cache_manager.coordinator.single_type_managers)
+
+
+def manager_of_async_scheduler(manager: Any) -> bool:
+    """Whether ``manager`` belongs to an ``AsyncScheduler`` (see :func:`note_scheduler`)."""
+    return manager in _ASYNC_SCHEDULERS_MANAGERS
