@@ -129,7 +129,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            request.skip_reading_prefix_cache = request.get_skip_reading_prefix_cache()\n",
         # The dropped hit stays dropped: every later admission recomputes from token 0.
         "            pass\n",
-        ("tests/test_hit_never_fits.py::test_async_plugin_recomputes_b_without_the_hit",),
+        ("tests/test_reliability_regressions.py::test_async_dropped_hit_is_read_again_after_a_preemption",),
         ("0.29.0",),
     ),
     Mutant(
