@@ -133,7 +133,7 @@ def test_async_b_alone_on_this_pool(no_plugin, make_engine, adapter):
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
-def test_async_b_alone_finishes_with_the_plugin(plugin, make_engine, adapter):
+def test_async_b_alone_finishes_with_the_plugin(plugin, make_engine, adapter, monkeypatch):
     """vLLM fix ``mamba_chunk_count_capped`` (0.26-0.30; 0.31+ natively): b's last chunk resumes
     from the state at 368, inside its running block, holds every block it needs and owes only the
     copy of that state. Counted the one block it takes, b finishes where stock 0.26-0.30 (above)
@@ -152,11 +152,8 @@ def test_async_b_alone_finishes_with_the_plugin(plugin, make_engine, adapter):
         return counts[-1][1]
 
     engine.add_request("b", PROMPT, max_tokens=1)
-    MambaManager.get_num_blocks_to_allocate = counted
-    try:
-        engine.run_until_idle(max_steps=50)
-    finally:
-        MambaManager.get_num_blocks_to_allocate = count
+    monkeypatch.setattr(MambaManager, "get_num_blocks_to_allocate", counted)
+    engine.run_until_idle(max_steps=50)
     assert engine.outcomes["b"].finished and engine.outcomes["b"].hit_tokens == 0
     assert [step.num_scheduled_tokens for step in engine.steps] == [{"b": 320}, {"b": 48}, {"b": 15}, {}, {}, {}]
     # The Mamba group's counts per call (admission, then the three chunks): the 15-token chunk's is

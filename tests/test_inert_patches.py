@@ -136,11 +136,19 @@ def mamba_manager_unpatched(adapter, under_async: bool = False) -> dict[str, str
     option; inert without a sampled token in flight) goes in."""
     keyed_once = under_async and adapter.native_prompt_tail_keyed_after_its_chunk
     tail = "prompt_tail_keyed_once" if keyed_once else "stock"
-    bound = {"MambaManager.cache_blocks": "stock", "MambaManager._cache_partial_tail_block": tail}
-    # The vLLM fix mamba_chunk_count_capped (0.26-0.30), inert under Scheduler: bound past there.
-    if not adapter.mamba_chunk_count_capped and not under_async:
-        bound["MambaManager.get_num_blocks_to_allocate"] = "stock"
-    return bound
+    return {
+        "MambaManager.cache_blocks": "stock",
+        "MambaManager._cache_partial_tail_block": tail,
+        **past_the_count_fix(adapter, under_async),
+    }
+
+
+def past_the_count_fix(adapter, under_async: bool = False, manager: str = "MambaManager") -> dict[str, str]:
+    """The binding of a Mamba manager that gets bindings (0.30; the junction's) past the vLLM fix
+    ``mamba_chunk_count_capped`` (0.26-0.30), inert under Scheduler; none under AsyncScheduler."""
+    if adapter.mamba_chunk_count_capped or under_async:
+        return {}
+    return {f"{manager}.get_num_blocks_to_allocate": "stock"}
 
 
 @pytest.mark.both_schedulers
@@ -180,8 +188,7 @@ def test_prompt_tail_on_keeps_its_patches(plugin, make_engine, adapter):
         expected["coordinator"] = "stock"
     if adapter.mamba_manager_attributes_past_inline:
         expected["MambaManager._cache_partial_tail_block"] = "prompt_tail_manager"
-        if not adapter.mamba_chunk_count_capped:  # 0.30: past the async-only count fix
-            expected["MambaManager.get_num_blocks_to_allocate"] = "stock"
+        expected.update(past_the_count_fix(adapter))
     assert bound == expected
 
 
@@ -196,8 +203,8 @@ def test_output_checkpoint_on_keeps_its_patches(plugin, make_engine, adapter):
     expected: dict[str, str] = {"scheduler": "stock"}
     if adapter.version in JUNCTION_BACKPORT_WHEELS:
         expected["coordinator"] = "stock"
-    if adapter.mamba_manager_attributes_past_inline and not adapter.mamba_chunk_count_capped:
-        expected["MambaManager.get_num_blocks_to_allocate"] = "stock"  # 0.30: past the async-only count fix
+    if adapter.mamba_manager_attributes_past_inline:
+        expected.update(past_the_count_fix(adapter))
     assert _bound(engine) == expected
 
 
@@ -224,8 +231,7 @@ def test_junction_switch_on_keeps_the_junction_path(plugin, make_engine, adapter
         # prompt_tail_keyed_once (0.26-0.28: the only patch there, so nothing is bound).
         if scheduling == "sync":
             expected["JunctionMambaManager._cache_partial_tail_block"] = "junction, then stock"
-            # Past the vLLM fix mamba_chunk_count_capped, needed only under AsyncScheduler.
-            expected["JunctionMambaManager.get_num_blocks_to_allocate"] = "stock"
+            expected.update(past_the_count_fix(adapter, manager="JunctionMambaManager"))
         elif adapter.version in PROMPT_TAIL_WHEELS:
             expected["JunctionMambaManager._cache_partial_tail_block"] = "junction, then prompt_tail_keyed_once"
         assert bound == expected

@@ -36,6 +36,12 @@ def _variant(adapter, name):
     return dataclasses.replace(variant, extra=(*variant.extra, ("cpu_tier_request_ends", "store")))
 
 
+def _plugin_fa64(adapter):
+    """The soak's ``plugin`` variant with 64-token attention blocks (the Mamba block's size)."""
+    plain = next(v for v in variants(adapter) if v.name == "plugin")
+    return dataclasses.replace(plain, name="plugin-fa64", attention_block_size=64)
+
+
 # Exact figures of the seed-0 re-store run (the same on every wheel): steps, requests,
 # invariant checks. The program stops adding work at 240 steps, then drains.
 RESTORE_RUN = (250, 29, 1768)
@@ -293,8 +299,7 @@ def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, mo
     if adapter.divergence_checkpoint_supported:
         variant = next(v for v in variants(adapter) if v.name == "plugin-divergence-fa64")
     else:
-        plain = next(v for v in variants(adapter) if v.name == "plugin")
-        variant = dataclasses.replace(plain, name="plugin-fa64", attention_block_size=64)
+        variant = _plugin_fa64(adapter)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [] and counts.steps == fixed_steps
     # Ablate the plugin's count (not vLLM code): two block holders wait for each other again.
@@ -341,9 +346,10 @@ def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, mo
 # per wheel, a seed of the `stock` variant that reads or loads a state one token past its hash boundary
 # without the fix (0.30.0 seed 4: step 6,154, q656's 16-token hit holds the state after 17; 0.29.0 seed 1:
 # step 9,574, q1041's hit at 96 holds the state after 97), and (steps, loads whose bytes were checked) of
-# the fixed run (with mamba_chunk_count_capped on 0.29-0.30; before it 0.30.0 seed 3 showed the bug). 0.26-0.28 run stock vLLM's soak on 64-token
-# units, which leave no prompt tail inside a block (tests/test_prompt_tail_keyed_once.py covers those
-# wheels); 0.32+ keep their prompt-tail state where no decode reaches it.
+# the fixed run (with mamba_chunk_count_capped on 0.29-0.30; before it 0.30.0 seed 3 showed the bug).
+# 0.26-0.28 run stock vLLM's soak on 64-token units, which leave no prompt tail inside a block
+# (tests/test_prompt_tail_keyed_once.py covers those wheels); 0.32+ keep their prompt-tail state where
+# no decode reaches it.
 ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_019, 213), "0.30.0": (4, 10_002, 172), "0.31.0": (1, 10_008, 157)}
 
 
@@ -368,9 +374,7 @@ ONE_ADMISSION_DROP_SEEDS = {"0.29.0": (8, 10_010)}
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
 def test_async_dropped_hit_is_read_again_after_a_preemption(plugin, adapter, scheduling):
     seed, steps = ONE_ADMISSION_DROP_SEEDS.get(adapter.version, (8, None))
-    plain = next(v for v in variants(adapter) if v.name == "plugin")
-    variant = dataclasses.replace(plain, name="plugin-fa64", attention_block_size=64)
-    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    counts, _, violations = soak(adapter, _plugin_fa64(adapter), 10_000, seed)
     if adapter.version == "0.26.0":
         # 0.26's connector path ignores skip_reading_prefix_cache: the drop cannot take there, and q303
         # waits with its never-fitting hit (docs/reliability.md).
