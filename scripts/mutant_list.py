@@ -52,6 +52,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "connector-lookup-ignores-dropped-hit",
+        "patches/connector_hit_reconcile.py",
+        "        if reads_no_cache(block_hashes):\n",
+        # 0.26's per-group lookup keeps finding the hit the admission dropped.
+        "        if False:\n",
+        (
+            "tests/test_hit_never_fits.py::test_plugin_recomputes_b_without_the_hit_through_its_connector",
+            "tests/test_reliability_regressions.py::test_async_dropped_hit_is_read_again_after_a_preemption",
+        ),
+        ("0.26.0",),
+    ),
+    Mutant(
+        "divergence-admission-block-uncounted",
+        "junction/manager.py",
+        "            return count + self._junction_block_owed(request_id, total_computed_tokens)\n",
+        # The admission check takes the wheel's count: a divergence state's copy block is not reserved.
+        "            return count\n",
+        (
+            "tests/test_divergence_checkpoint.py::test_admission_counts_the_block_the_divergence_state_keeps",
+            "tests/test_reliability_regressions.py::test_async_divergence_admission_counts_the_kept_state_block",
+        ),
+        ("0.29.0",),
+    ),
+    Mutant(
         "prompt-tail-keyed-once-bypassed-under-async",
         "patches/prompt_tail_keyed_once.py",
         "        inert_for=lambda _, scheduler: not outputs_arrive_late(scheduler),\n",
@@ -355,9 +379,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "junction-managers-call-inert-patches",
         "junction/manager.py",
-        "    if target is patched:\n",
-        # The junction's managers keep calling the patched method through every inert wrapper.
-        "    if True:\n",
+        "        elif target is not patched:\n",
+        # The junction's managers keep calling the patched partial-tail method through every inert wrapper.
+        "        elif False:\n",
         ("tests/test_inert_patches.py::test_junction_switch_on_keeps_the_junction_path",),
         ("0.29.0",),
     ),

@@ -232,6 +232,52 @@ def test_cost_one_mamba_block_per_divergence(plugin, adapter, case):
     assert (stock.stored, kept.stored) == (stock_states, states)
 
 
+# Request 2's whole-prompt Mamba count, as vLLM's admission check asks it (apply_admission_cap),
+# without the option and with it. Request 2 keeps a state at its divergence point, inside a Mamba
+# block; the next chunk copies it into a new block before the kept one is released, so at that
+# allocation the request needs one block more than the wheel's count. Admitted on the wheel's count
+# into the last free blocks, two such requests under AsyncScheduler (whose preemptions free a step
+# late) restarted each other for ever (tests/test_reliability_regressions.py). The backport (0.29)
+# counts that block under AsyncScheduler; under Scheduler (a preemption frees at once) and on 0.30+
+# the wheel's own count stands.
+ADMISSION_COUNTS = {"fa32-mamba544": (1, 2), "fa32-mamba64": (1, 2), "qwen3-next-1000": (1, 2), "qwen3-next-1216": (2, 3)}
+
+
+@pytest.mark.both_schedulers
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_admission_counts_the_block_the_divergence_state_keeps(plugin, adapter, case, scheduling):
+    geometry, shared = CASES[case]
+    if _refused_here(adapter, lambda: admission_count(adapter, geometry, shared, ON)):
+        return
+    off, on = ADMISSION_COUNTS[case]
+    if adapter.native_junction_manager_attr is not None or scheduling == "sync":
+        on = off
+    assert (admission_count(adapter, geometry, shared, OFF), admission_count(adapter, geometry, shared, ON)) == (off, on)
+
+
+def admission_count(adapter, geometry: HybridGeometry, shared: int, config: dict) -> int:
+    """Request 2's Mamba count in the admission check (observed on the real manager; request 2 runs to the end)."""
+    engine = SimEngine(geometry, adapter=adapter, kv_connector=CONNECTOR_NAME,
+                       kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES}, additional_config=config)
+    prefix = tokens(shared)
+    engine.add_request("r0", prefix + tokens(SUFFIX, 2000), max_tokens=2)
+    engine.run_until_idle()
+    (mamba,) = [m for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers if "Mamba" in type(m).__name__]
+    counts, count = [], mamba.get_num_blocks_to_allocate
+
+    def observed(request_id, *args, **kwargs):
+        result = count(request_id, *args, **kwargs)
+        if kwargs.get("apply_admission_cap", args[-1] if len(args) == 6 else False):
+            counts.append(result)
+        return result
+
+    mamba.get_num_blocks_to_allocate = observed  # records the real count, changes nothing
+    engine.add_request("r1", prefix + tokens(SUFFIX, 2150), max_tokens=2)
+    engine.run_until_idle()
+    assert len(counts) == 1, counts  # admitted at once: one whole-prompt check
+    return counts[0]
+
+
 def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):
     """No EAGLE anywhere: 0.29 opens the junction backport's plan, 0.30+ the wheel's own gate."""
     geometry, _ = CASES["qwen3-next-1216"]

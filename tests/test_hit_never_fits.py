@@ -16,11 +16,13 @@ import random
 
 import pytest
 
+from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 
 MAX_MODEL_LEN = 384
 POOL = 10  # b alone (no hit) completes here on every wheel
 POOL_WITH_ROOM = 11  # the hit's extra block fits
+CPU_BYTES = 4096 * 2048
 HIT = 48  # vLLM's prompt-tail state of a 49-token prompt: the last 16-token boundary below it
 PROMPT = [random.Random(0).randrange(1, 30_000) for _ in range(MAX_MODEL_LEN - 1)]
 WARNING = (
@@ -72,6 +74,28 @@ def test_plugin_recomputes_b_without_the_hit(plugin, make_engine, plugin_log):
     assert [step.num_scheduled_tokens for step in engine.steps[steps_before:]] == [{}, {"b": 320}, {"b": 48}, {"b": 15}, {}]
     warnings = [r.getMessage() for r in plugin_log.records if r.levelno == logging.WARNING]
     assert warnings == [WARNING]
+
+
+def test_plugin_recomputes_b_without_the_hit_through_its_connector(plugin, adapter, make_engine, monkeypatch):
+    # With a KV connector 0.26 looks a hybrid request up group by group (its connector path), a lookup
+    # that does not read skip_reading_prefix_cache: connector_hit_reconcile drops the hit there too.
+    from hybrid_kv_plugin.patches import connector_hit_reconcile
+
+    def b_with_the_connector():
+        engine = make_engine(_geometry(POOL), kv_connector=CONNECTOR_NAME, kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES})
+        assert engine.run([("a", PROMPT[:49])]) == {"a": 0}
+        engine.add_request("b", PROMPT, max_tokens=1)
+        steps_before = len(engine.steps)
+        engine.run_until_idle(max_steps=50)
+        return engine.outcomes["b"].hit_tokens, [step.num_scheduled_tokens for step in engine.steps[steps_before:]]
+
+    assert b_with_the_connector() == (0, [{}, {"b": 320}, {"b": 48}, {"b": 15}, {}])
+    installed = any(spec.name == "connector_hit_reconcile" for spec in plugin.patch_set.specs)
+    assert installed == adapter.connector_lookup_takes_deepest_group  # 0.26
+    if installed:
+        monkeypatch.setattr(connector_hit_reconcile, "reads_no_cache", lambda block_hashes: False)
+        with pytest.raises(RuntimeError, match="did not go idle within 50 steps"):
+            b_with_the_connector()
 
 
 def test_plugin_keeps_a_hit_that_fits(plugin, make_engine, plugin_log):

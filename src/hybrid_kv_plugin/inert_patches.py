@@ -59,7 +59,6 @@ def bypass_inert_patches_of(scheduler: Any, adapter: VllmAdapter) -> None:
             # Re-typed, so off inline storage on every wheel: its override falls through
             # past the wheel-method patches inert for it.
             bind_past_inert_patches(manager, scheduler)
-            bypass_inert_patches(manager, "get_num_blocks_to_allocate", scheduler)
         elif adapter.mamba_manager_attributes_past_inline and isinstance(manager, MambaManager):
             for attr in MAMBA_MANAGER_METHODS:
                 bypass_inert_patches(manager, attr, scheduler)

@@ -14,7 +14,9 @@ before the next forward pass and handed to a connector, so the CPU tier stores i
 
 Cost per request whose lookup diverged inside a Mamba block: at most one extra
 prefill chunk and one extra Mamba block in the GPU prefix cache (evictable; one stored
-state on the CPU tier); per computed prompt unit, one attention partial key.
+state on the CPU tier); per computed prompt unit, one attention partial key. Under
+``AsyncScheduler`` the 0.29 backport also counts, at admission, the block the chunk after
+the kept state copies it into (:mod:`hybrid_kv_plugin.junction.manager`).
 
 It is the junction checkpoint without the EAGLE gate; the same pieces do it:
 

@@ -15,6 +15,7 @@ coordinator.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,9 @@ class JunctionCoordinatorMixin:
     _stock_coordinator_cls: type
     _junction_adapter: VllmAdapter
 
-    def bind_junction(self, switch: bool, divergence: bool = False) -> JunctionPlan:
+    def bind_junction(
+        self, switch: bool, divergence: bool = False, live_requests: Mapping[str, Any] | None = None
+    ) -> JunctionPlan:
         plan = junction_plan(switch, self, self._junction_adapter, divergence=divergence)
         self.junction_plan = plan
         if not plan.enabled:
@@ -47,7 +50,7 @@ class JunctionCoordinatorMixin:
                 adopt(manager, self._junction_manager_cls)
         managers = self._junction_managers()
         for manager in managers:
-            manager.apply_plan(plan)
+            manager.apply_plan(plan, live_requests)
         if self.retention_interval is None:  # type: ignore[attr-defined]
             # Without sparse retention there are no replay boundaries to hand over: both
             # cache_blocks overrides would pass straight through on every call. (The class swap
@@ -119,6 +122,7 @@ def plan_of(scheduler: Any) -> JunctionPlan:
             coordinator.bind_junction(
                 bool(config and config.mamba_shared_prefix_checkpoint),
                 divergence=bool(config and config.mamba_divergence_checkpoint),
+                live_requests=scheduler.requests,
             )
         plan = coordinator.junction_plan
         assert plan is not None

@@ -12,12 +12,14 @@ method is the stock one: the class only adds behaviour behind ``junction_enabled
 
 from __future__ import annotations
 
-from types import MethodType
+from collections.abc import Mapping
+from types import MappingProxyType, MethodType
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
 from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
 from hybrid_kv_plugin.patching import past_inert_patches
+from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -45,14 +47,19 @@ def _build(stock: type, tracks_producers: bool) -> type:
         lowers_prompt_tail = False
         # Replay boundaries handed over by the coordinator for the cache_blocks call in flight.
         replay_handoff: tuple[int, ...] | None = None
+        # The owning scheduler's live requests by id (set with the plan): the block counts
+        # vLLM asks for get only an id.
+        live_requests: Mapping[str, Any] = MappingProxyType({})
 
-        def apply_plan(self, plan: JunctionPlan) -> None:
+        def apply_plan(self, plan: JunctionPlan, live_requests: Mapping[str, Any] | None = None) -> None:
             # Only an align manager whose block is coarser than the hash unit has sub-block
             # positions to keep; decided once here rather than on every cached chunk.
             self.junction_enabled = (
                 plan.enabled and self.mamba_cache_mode == "align" and self.block_size > self.block_pool.hash_block_size
             )
             self.lowers_prompt_tail = self.junction_enabled and plan.lowered_tail and self.use_eagle
+            if live_requests is not None:
+                self.live_requests = live_requests
 
         # Stock methods are looked up on ``stock`` at call time, not via ``super()`` (the
         # same method: this class adds nothing between) - cheaper, and they run every step.
@@ -78,6 +85,22 @@ def _build(stock: type, tracks_producers: bool) -> type:
                 del self.reachable_block_mask
 
         _cache_partial_tail_block = _partial_tail_method(stock, None)
+        get_num_blocks_to_allocate = _admission_count_method(stock, None)
+
+        def _junction_block_owed(self, request_id: str, total_computed_tokens: int) -> int:
+            """1 if the request's remaining prompt keeps a state at its junction, else 0.
+
+            That state stays in the block the chunk ends in, so the chunks after it take one
+            more block than the wheel's whole-prompt count (the admission check) expects.
+            """
+            request = self.live_requests.get(request_id)
+            if request is None:
+                return 0
+            junction = request.shared_prefix_boundary
+            return int(
+                total_computed_tokens < junction <= request.num_prompt_tokens
+                and self._is_added_checkpoint(request, junction)
+            )
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
             # Asked only with ``junction_enabled``: an align manager with sub-block hash positions.
@@ -121,21 +144,69 @@ def _partial_tail_method(stock: type, next_method: Any) -> Any:
     return _cache_partial_tail_block
 
 
+def _admission_count_method(stock: type, next_method: Any) -> Any:
+    """The junction's ``get_num_blocks_to_allocate``, falling through to ``next_method``.
+
+    The admission check (``apply_admission_cap``: whole prompt, or an in-flight prefill's
+    reservation) also counts the block a junction state inside the remaining prompt keeps.
+    Without it two requests admitted into the last free blocks each need one more after
+    their junction chunk; under ``AsyncScheduler`` (0.28+ defers a preempted request's
+    blocks a step) each preemption frees nothing and both restart for ever (soak
+    ``plugin-divergence-fa64``, 0.29, async: seeds 5, 20, 22). Per-chunk counts already
+    include it (the kept state makes the next chunk a partial hit). Bound only under
+    ``AsyncScheduler`` (:func:`bind_past_inert_patches`).
+    ``None``: the wheel's method as patched, looked up at each call.
+    """
+
+    def get_num_blocks_to_allocate(
+        self: Any,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        count = (next_method or stock.get_num_blocks_to_allocate)(
+            self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+        )
+        if apply_admission_cap and self.junction_enabled:
+            return count + self._junction_block_owed(request_id, total_computed_tokens)
+        return count
+
+    get_num_blocks_to_allocate.falls_through_to = next_method  # type: ignore[attr-defined]
+    return get_num_blocks_to_allocate
+
+
 def is_junction_manager(manager: Any) -> bool:
     """Whether ``manager`` was adopted by a junction coordinator (:func:`adopt`)."""
     return getattr(type(manager), "hybrid_kv_stock_class", None) is not None
 
 
-def bind_past_inert_patches(manager: Any, scheduler: Any) -> bool:
-    """Bind ``manager``'s partial-tail method to fall through past the wheel-method patches inert for it.
+def bind_past_inert_patches(manager: Any, scheduler: Any) -> int:
+    """Bind ``manager``'s overrides to fall through past the wheel-method patches inert for it.
 
     For an adopted junction manager only: the class swap already moved its attributes
     off inline storage, so an instance binding costs nothing there (hybrid_kv_plugin.inert_patches).
+    The admission count is kept only under ``AsyncScheduler``: under ``Scheduler`` a
+    preempted request's blocks come back at once, so the wheel's count costs at most a
+    preemption (as the wheel's own chunk stops do), and a count runs per request per step.
+    Returns how many methods were bound.
     """
     stock = type(manager).hybrid_kv_stock_class
-    patched = stock._cache_partial_tail_block
-    target = past_inert_patches(patched, manager, scheduler)
-    if target is patched:
-        return False
-    manager._cache_partial_tail_block = MethodType(_partial_tail_method(stock, target), manager)
-    return True
+    bound = 0
+    for attr, build in (
+        ("_cache_partial_tail_block", _partial_tail_method),
+        ("get_num_blocks_to_allocate", _admission_count_method if outputs_arrive_late(scheduler) else None),
+    ):
+        patched = getattr(stock, attr)
+        target = past_inert_patches(patched, manager, scheduler)
+        if build is None:
+            setattr(manager, attr, MethodType(target, manager))
+            bound += 1
+        elif target is not patched:
+            setattr(manager, attr, MethodType(build(stock, target), manager))
+            bound += 1
+    return bound

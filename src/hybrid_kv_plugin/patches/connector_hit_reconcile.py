@@ -17,7 +17,11 @@ reconciled lookup of ``find_longest_cache_hit`` (what ``get_computed_blocks`` us
 every group holding its data at one boundary) for every group; equal hits are
 returned unchanged. The connector is then asked from that boundary, so an external
 hit still supplies everything past it (NIXL sends attention blocks it could have
-reused locally: correct, less reuse).
+reused locally: correct, less reuse). A request that ``local_hit_admission`` admits
+without its hit this time (it never fits the pool with it) gets no hit here either:
+this lookup gets the request's hashes, not the request, and never reads
+``skip_reading_prefix_cache`` (0.27's connector path does), so without it such a
+request kept its hit and waited for ever (soak ``plugin`` attention 64, seed 8, async).
 
 Upstream: vLLM 0.27.0 (``KVCacheManager.get_computed_blocks_for_connector``: a group
 deeper than full attention, or a divergent hit no external tokens back, falls back
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.patches.local_hit_admission import reads_no_cache
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
@@ -62,6 +67,8 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 
 def _replacement(original: Any) -> Any:
     def find_longest_cache_hit_per_group(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        if reads_no_cache(block_hashes):
+            max_cache_hit_length = 0
         blocks, hits = original(self, block_hashes, max_cache_hit_length)
         if len(set(hits)) <= 1:
             return blocks, hits

@@ -45,7 +45,8 @@ What it changes (three attributes, installed together):
   allocated, the request reads the cache again (vLLM's own setting back), so a
   later preemption resumes from what it computed (kept for good, a request that
   0.29's ``AsyncScheduler`` preempts at its first decode recomputed from token 0
-  every time: soak ``plugin`` attention 64, seed 8, on 0.29);
+  every time: soak ``plugin`` attention 64, seed 8, on 0.29). 0.26's connector-path
+  lookup does not read that switch: ``connector_hit_reconcile`` asks :func:`reads_no_cache`;
 * ``KVCacheManager.new_step_starts``: forgets the marks (the scheduler calls it
   before each step's allocations).
 
@@ -176,6 +177,15 @@ def read_no_cache(request: Any) -> None:
         "hybrid-kv-plugin: a request's prefix-cache hit needs more KV blocks than the whole pool holds; "
         "such requests are recomputed without the cache (raise the KV cache size or lower max_model_len)",
     )
+
+
+def reads_no_cache(block_hashes: Any) -> bool:
+    """Whether the request owning ``block_hashes`` is admitted without its hit this time.
+
+    For 0.26's per-group lookup (``connector_hit_reconcile``), which gets a request's
+    hashes but not the request, and does not read ``skip_reading_prefix_cache``.
+    """
+    return bool(_READING_DROPPED) and any(request.block_hashes is block_hashes for request in _READING_DROPPED)
 
 
 def _wrap_admit(original: Any) -> Any:
