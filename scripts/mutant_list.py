@@ -64,6 +64,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.26.0",),
     ),
     Mutant(
+        "stock-store-walks-handed-on-mamba",
+        "patches/stock_store_skips_handed_on_mamba.py",
+        "                if block.block_hash is not None and block.block_hash_num_tokens != (index + 1) * size:\n",
+        # The stock walk reads every entry again, blocks handed on to another request included.
+        "                if False:\n",
+        ("tests/test_reliability_regressions.py::test_stock_connector_stores_no_mamba_block_it_handed_on",),
+        ("0.29.0",),
+    ),
+    Mutant(
         "divergence-admission-block-uncounted",
         "junction/manager.py",
         "            return count + self._junction_block_owed(request_id, total_computed_tokens)\n",

@@ -65,6 +65,7 @@ def test_each_patch_names_what_it_serves(adapter, capsys):
         "mamba_chunk_count_capped": "vllm_fix",
         "local_hit_admission": "vllm_fix",
         "step_stats_without_outputs": "vllm_fix",
+        "stock_store_skips_handed_on_mamba": "vllm_fix",
     }
     assert all(m.FEATURE in PATCH_TAGS for m in PATCH_MODULES)
     assert main(["doctor"]) == 0

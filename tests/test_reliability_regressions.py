@@ -410,3 +410,27 @@ def test_async_divergence_admission_counts_the_kept_state_block(plugin, adapter,
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [f"step {n}: not idle after {DRAIN_LIMIT} steps (['q435', 'q436', 'q438'] live)"
                           for n in (7_947, 10_947)]
+
+
+# The stock connector's walk of a block another request took over (patches/stock_store_skips_handed_on_mamba.py,
+# 0.26-0.29): under Scheduler, ``stock`` seed 6 on 0.29 stored q1017's Mamba index 2, block 20, at step
+# 9,832, while q1020 held it as its running block keyed at 224 and rewrote it at step 9,833.
+# (steps, byte-checked loads) of the fixed run on 0.29; every wheel runs the seed clean.
+HANDED_ON_STORE_SEED = (6, 10_001, 211)
+
+
+def test_stock_connector_stores_no_mamba_block_it_handed_on(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import stock_store_skips_handed_on_mamba
+
+    seed, steps, checked_loads = HANDED_ON_STORE_SEED
+    counts, _, violations = soak(adapter, _variant(adapter, "stock"), 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
+    installed = any(spec.name == "stock_store_skips_handed_on_mamba" for spec in plugin.patch_set.specs)
+    assert installed == adapter.simplecpu_scans_mamba_positionally  # 0.26-0.29
+    if adapter.version != "0.29.0":
+        return
+    assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
+    # The wheel's walk as it was (the plugin's nulling off, not vLLM code): the store reads a block being rewritten.
+    monkeypatch.setattr(stock_store_skips_handed_on_mamba, "null_handed_on_entries", lambda offload, groups: 0)
+    _, _, violations = soak(adapter, _variant(adapter, "stock"), 10_000, seed)
+    assert violations == ["step 9834: store issued at step 9832: source GPU blocks [20] changed while it was in flight"]

@@ -92,6 +92,10 @@ class VllmAdapter:
     # later, a request that needs the whole pool is then preempted at that chunk for ever.
     mamba_chunk_count_capped: ClassVar[bool] = False
     has_native_fine_grained_cpu_hits: ClassVar[bool] = False
+    # The stock SimpleCPU scheduler stores align Mamba blocks by walking the block table it
+    # accumulated, which keeps blocks the request has handed on (0.26-0.29; 0.30+ takes them
+    # from the boundary hand-offs; patch stock_store_skips_handed_on_mamba).
+    simplecpu_scans_mamba_positionally: ClassVar[bool] = True
     has_native_nixl_ssm_clip: ClassVar[bool] = False
     # NixlBaseConnectorWorker._apply_prefix_caching takes (decode ids, prefill ids) then one
     # physical-per-logical ratio (<=0.27: the remote's) or two (0.28+: decode's, prefill's).

@@ -11,6 +11,7 @@ class Vllm030Adapter(Vllm029Adapter):
     families = ((0, 30),)
     tested_wheels = ("0.30.0",)
     has_native_fine_grained_cpu_hits = True
+    simplecpu_scans_mamba_positionally = False
     # Native wins: the 0.29 backports of both features are not shipped (nor installed) here.
     backports_shipped = Vllm029Adapter.backports_shipped - {
         Feature.FINE_GRAINED_CPU_HITS,

@@ -54,6 +54,7 @@ from hybrid_kv_plugin.patches import (
     same_step_copy_chains,
     scheduler_plugin_config,
     step_stats_without_outputs,
+    stock_store_skips_handed_on_mamba,
     truncate_mamba_lookup,
 )
 
@@ -94,6 +95,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     output_checkpoint_manager,
     output_checkpoint_offload,
     finish_store_pinning,
+    stock_store_skips_handed_on_mamba,
     offload_has_connector,
     async_load_liveness,
     async_load_landing_reservation,

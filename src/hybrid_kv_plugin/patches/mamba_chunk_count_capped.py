@@ -21,8 +21,10 @@ never undercounts: the allocation takes the blocks still lacking after the
 request's block list has grown (placeholders, loaded blocks), plus that copy.
 Only for the Mamba managers of an ``AsyncScheduler`` (``scheduler_kind``): under
 ``Scheduler`` a preemption frees its blocks at once, so the over-count only delays
-a chunk, and the sync soak with the cap reached a CPU store of a block being
-rewritten in 0.29's own connector path (``stock`` seed 4, not yet understood).
+a chunk, and bound past the cap its count costs nothing per step there. (With the cap
+also under ``Scheduler`` the sync soak once reached a CPU store of a block being
+rewritten, ``stock`` seed 4 on 0.29: the stock connector's walk of a block handed on,
+fixed by ``stock_store_skips_handed_on_mamba``.)
 Managers that get bindings (0.30; the junction's on 0.26-0.29) call past it there.
 
 Upstream: vLLM 0.31.0 counts a chunk's new blocks no higher than it allocates
