@@ -90,8 +90,9 @@ def _build(stock: type, tracks_producers: bool) -> type:
         def _junction_block_owed(self, request_id: str, total_computed_tokens: int) -> int:
             """1 if the request's remaining prompt keeps a state at its junction, else 0.
 
-            That state stays in the block the chunk ends in, so the chunks after it take one
-            more block than the wheel's whole-prompt count (the admission check) expects.
+            The chunk after that state copies it into a new block before the kept one is
+            released: one block more than the wheel's whole-prompt count (the admission
+            check) expects. (The EAGLE-lowered prompt tail would owe the same; not counted.)
             """
             request = self.live_requests.get(request_id)
             if request is None:
