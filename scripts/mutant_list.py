@@ -73,6 +73,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0",),
     ),
     Mutant(
+        "lowered-tail-admission-block-uncounted",
+        "junction/manager.py",
+        "                return int(total_computed_tokens < tail and self._is_added_checkpoint(request, tail))\n",
+        # Only the junction is counted: the EAGLE-lowered prompt tail's copy block is not reserved.
+        "                return 0\n",
+        ("tests/test_shared_prefix_checkpoint.py::test_admission_counts_the_block_the_lowered_tail_keeps",),
+        ("0.29.0",),
+    ),
+    Mutant(
         "divergence-admission-block-uncounted",
         "junction/manager.py",
         "            return count + self._junction_block_owed(request_id, total_computed_tokens)\n",

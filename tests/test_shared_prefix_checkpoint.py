@@ -186,6 +186,37 @@ def test_eagle_prompt_tail_checkpoint_one_unit_lower(plugin, make_engine, adapte
         assert (off["sibling"], on["sibling"]) == (36, 36)
 
 
+# The Mamba admission counts (producer, sibling) of scenario B, switch off and on. With the switch the
+# producer keeps the state at the lowered tail (36) and the sibling, resuming there, at its own (52);
+# the chunk after each copies it into a new block before the kept one is released. The backport
+# (0.26-0.29) counts that block in the admission check under AsyncScheduler (a preemption frees a
+# step late there: tests/test_reliability_regressions.py, the divergence case); under Scheduler, and
+# on 0.30+, the wheel's own count stands (the sibling's 3 -> 4 off/on there is its deeper hit).
+EAGLE_TAIL_ADMISSION = {"sync": ((2, 3), (2, 4)), "async": ((2, 3), (3, 5))}
+NATIVE_EAGLE_TAIL_ADMISSION = ((2, 4), (2, 4))
+
+
+@pytest.mark.both_schedulers
+def test_admission_counts_the_block_the_lowered_tail_keeps(plugin, make_engine, adapter, scheduling):
+    def admission_counts(config) -> tuple[int, int]:
+        engine = make_engine(geometry(), additional_config=config)
+        (mamba,) = [m for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers if "Mamba" in type(m).__name__]
+        counts, count = {}, mamba.get_num_blocks_to_allocate
+
+        def observed(request_id, *args, **kwargs):
+            result = count(request_id, *args, **kwargs)
+            if kwargs.get("apply_admission_cap", args[-1] if len(args) == 6 else False):
+                counts[request_id] = result
+            return result
+
+        mamba.get_num_blocks_to_allocate = observed  # records the real count, changes nothing
+        run_producer_and_sibling(engine)
+        return counts["producer"], counts["sibling"]
+
+    expected = EAGLE_TAIL_ADMISSION[scheduling] if adapter.version in BACKPORT_WHEELS else NATIVE_EAGLE_TAIL_ADMISSION
+    assert (admission_counts(SWITCH_OFF), admission_counts(SWITCH_ON)) == expected
+
+
 # exact replay's hit (switch off, switch on) under retention 0, per wheel.
 REPLAY_UNDER_SPARSE_RETENTION = {v: (0, 16) for v in BACKPORT_WHEELS} | {
     "0.30.0": (16, 16),

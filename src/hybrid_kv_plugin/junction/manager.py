@@ -88,20 +88,25 @@ def _build(stock: type, tracks_producers: bool) -> type:
         get_num_blocks_to_allocate = _admission_count_method(stock, None)
 
         def _junction_block_owed(self, request_id: str, total_computed_tokens: int) -> int:
-            """1 if the request's remaining prompt keeps a state at its junction, else 0.
+            """1 if the request's remaining prompt keeps a state this class adds, else 0.
 
-            The chunk after that state copies it into a new block before the kept one is
-            released: one block more than the wheel's whole-prompt count (the admission
-            check) expects. (The EAGLE-lowered prompt tail would owe the same; not counted.)
+            Such a state (the junction, the EAGLE-lowered prompt tail) stays in the block its
+            chunk ends in, and the chunk after it copies it into a new block before the kept
+            one is released: one block more than the wheel's whole-prompt count (the admission
+            check) expects. One block whatever their number: each copy releases its source.
             """
             request = self.live_requests.get(request_id)
             if request is None:
                 return 0
             junction = request.shared_prefix_boundary
-            return int(
-                total_computed_tokens < junction <= request.num_prompt_tokens
-                and self._is_added_checkpoint(request, junction)
-            )
+            if total_computed_tokens < junction <= request.num_prompt_tokens and self._is_added_checkpoint(
+                request, junction
+            ):
+                return 1
+            if self.lowers_prompt_tail:
+                tail = lowered_tail(request.num_prompt_tokens, self.block_pool.hash_block_size)
+                return int(total_computed_tokens < tail and self._is_added_checkpoint(request, tail))
+            return 0
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
             # Asked only with ``junction_enabled``: an align manager with sub-block hash positions.
