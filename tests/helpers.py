@@ -146,3 +146,20 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def record_admission_counts(engine) -> dict[str, list[int]]:
+    """Per request, the Mamba group's counts in vLLM's admission checks (``apply_admission_cap``), as they
+    happen. Binds an observer on the engine's one Mamba manager; it records the real count, changes nothing."""
+    (mamba,) = [m for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers if "Mamba" in type(m).__name__]
+    counts: dict[str, list[int]] = {}
+    count = mamba.get_num_blocks_to_allocate
+
+    def observed(request_id, *args, **kwargs):
+        result = count(request_id, *args, **kwargs)
+        if kwargs.get("apply_admission_cap", args[-1] if len(args) == 6 else False):
+            counts.setdefault(request_id, []).append(result)
+        return result
+
+    mamba.get_num_blocks_to_allocate = observed
+    return counts

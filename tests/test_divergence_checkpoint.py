@@ -30,7 +30,7 @@ from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 from hybrid_kv_plugin.sim.wheel import junction_active
 
-from helpers import LogRecords, recording, tokens
+from helpers import LogRecords, record_admission_counts, recording, tokens
 from scenarios.prompt_tail import mamba_states_held
 
 ON = {"hybrid_kv": {"mamba_divergence_checkpoint": True}}
@@ -262,20 +262,11 @@ def admission_count(adapter, geometry: HybridGeometry, shared: int, config: dict
     prefix = tokens(shared)
     engine.add_request("r0", prefix + tokens(SUFFIX, 2000), max_tokens=2)
     engine.run_until_idle()
-    (mamba,) = [m for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers if "Mamba" in type(m).__name__]
-    counts, count = [], mamba.get_num_blocks_to_allocate
-
-    def observed(request_id, *args, **kwargs):
-        result = count(request_id, *args, **kwargs)
-        if kwargs.get("apply_admission_cap", args[-1] if len(args) == 6 else False):
-            counts.append(result)
-        return result
-
-    mamba.get_num_blocks_to_allocate = observed  # records the real count, changes nothing
+    counts = record_admission_counts(engine)
     engine.add_request("r1", prefix + tokens(SUFFIX, 2150), max_tokens=2)
     engine.run_until_idle()
-    assert len(counts) == 1, counts  # admitted at once: one whole-prompt check
-    return counts[0]
+    assert len(counts["r1"]) == 1, counts  # admitted at once: one whole-prompt check
+    return counts["r1"][0]
 
 
 def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):

@@ -386,7 +386,7 @@ def test_async_dropped_hit_is_read_again_after_a_preemption(plugin, adapter, sch
 # 0.29's AsyncScheduler defers a preempted request's blocks a step, so two diverging requests
 # admitted into the last free blocks, each needing one more after its divergence chunk, preempted
 # each other and restarted for ever (seed 22: step 7,947, q435/q436; seeds 5 and 20 likewise).
-# (seed, steps of the fixed run) on 0.29; 0.30+ count it in the wheel's own junction case.
+# (seed, steps of the fixed run) on 0.29; 0.30+ keep the wheel's own count (no seed of 0-200 stalls there).
 DIVERGENCE_ADMISSION_SEED = (22, 10_007)
 
 

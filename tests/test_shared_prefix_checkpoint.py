@@ -19,7 +19,7 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options, junction_active
 
-from helpers import tokens
+from helpers import record_admission_counts, tokens
 
 SWITCH_ON = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": True}}
 SWITCH_OFF = {"hybrid_kv": {"mamba_shared_prefix_checkpoint": False}}
@@ -200,18 +200,9 @@ NATIVE_EAGLE_TAIL_ADMISSION = ((2, 4), (2, 4))
 def test_admission_counts_the_block_the_lowered_tail_keeps(plugin, make_engine, adapter, scheduling):
     def admission_counts(config) -> tuple[int, int]:
         engine = make_engine(geometry(), additional_config=config)
-        (mamba,) = [m for m in engine.scheduler.kv_cache_manager.coordinator.single_type_managers if "Mamba" in type(m).__name__]
-        counts, count = {}, mamba.get_num_blocks_to_allocate
-
-        def observed(request_id, *args, **kwargs):
-            result = count(request_id, *args, **kwargs)
-            if kwargs.get("apply_admission_cap", args[-1] if len(args) == 6 else False):
-                counts[request_id] = result
-            return result
-
-        mamba.get_num_blocks_to_allocate = observed  # records the real count, changes nothing
+        counts = record_admission_counts(engine)
         run_producer_and_sibling(engine)
-        return counts["producer"], counts["sibling"]
+        return counts["producer"][-1], counts["sibling"][-1]
 
     expected = EAGLE_TAIL_ADMISSION[scheduling] if adapter.version in BACKPORT_WHEELS else NATIVE_EAGLE_TAIL_ADMISSION
     assert (admission_counts(SWITCH_OFF), admission_counts(SWITCH_ON)) == expected

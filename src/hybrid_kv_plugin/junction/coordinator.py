@@ -36,9 +36,7 @@ class JunctionCoordinatorMixin:
     _stock_coordinator_cls: type
     _junction_adapter: VllmAdapter
 
-    def bind_junction(
-        self, switch: bool, divergence: bool = False, live_requests: Mapping[str, Any] | None = None
-    ) -> JunctionPlan:
+    def bind_junction(self, switch: bool, divergence: bool, live_requests: Mapping[str, Any]) -> JunctionPlan:
         plan = junction_plan(switch, self, self._junction_adapter, divergence=divergence)
         self.junction_plan = plan
         if not plan.enabled:

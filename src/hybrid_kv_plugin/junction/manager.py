@@ -51,15 +51,14 @@ def _build(stock: type, tracks_producers: bool) -> type:
         # vLLM asks for get only an id.
         live_requests: Mapping[str, Any] = MappingProxyType({})
 
-        def apply_plan(self, plan: JunctionPlan, live_requests: Mapping[str, Any] | None = None) -> None:
+        def apply_plan(self, plan: JunctionPlan, live_requests: Mapping[str, Any]) -> None:
             # Only an align manager whose block is coarser than the hash unit has sub-block
             # positions to keep; decided once here rather than on every cached chunk.
             self.junction_enabled = (
                 plan.enabled and self.mamba_cache_mode == "align" and self.block_size > self.block_pool.hash_block_size
             )
             self.lowers_prompt_tail = self.junction_enabled and plan.lowered_tail and self.use_eagle
-            if live_requests is not None:
-                self.live_requests = live_requests
+            self.live_requests = live_requests
 
         # Stock methods are looked up on ``stock`` at call time, not via ``super()`` (the
         # same method: this class adds nothing between) - cheaper, and they run every step.
@@ -98,10 +97,9 @@ def _build(stock: type, tracks_producers: bool) -> type:
             request = self.live_requests.get(request_id)
             if request is None:
                 return 0
+            # _is_added_checkpoint bounds both positions by the prompt; the hit is the lower bound here.
             junction = request.shared_prefix_boundary
-            if total_computed_tokens < junction <= request.num_prompt_tokens and self._is_added_checkpoint(
-                request, junction
-            ):
+            if total_computed_tokens < junction and self._is_added_checkpoint(request, junction):
                 return 1
             if self.lowers_prompt_tail:
                 tail = lowered_tail(request.num_prompt_tokens, self.block_pool.hash_block_size)
@@ -203,16 +201,17 @@ def bind_past_inert_patches(manager: Any, scheduler: Any) -> int:
     """
     stock = type(manager).hybrid_kv_stock_class
     bound = 0
-    for attr, build in (
-        ("_cache_partial_tail_block", _partial_tail_method),
-        ("get_num_blocks_to_allocate", _admission_count_method if outputs_arrive_late(scheduler) else None),
-    ):
+    overrides = [("_cache_partial_tail_block", _partial_tail_method)]
+    if outputs_arrive_late(scheduler):
+        overrides.append(("get_num_blocks_to_allocate", _admission_count_method))
+    else:
+        count = past_inert_patches(stock.get_num_blocks_to_allocate, manager, scheduler)
+        manager.get_num_blocks_to_allocate = MethodType(count, manager)  # the wheel's count, past inert patches
+        bound += 1
+    for attr, build in overrides:
         patched = getattr(stock, attr)
         target = past_inert_patches(patched, manager, scheduler)
-        if build is None:
-            setattr(manager, attr, MethodType(target, manager))
-            bound += 1
-        elif target is not patched:
+        if target is not patched:
             setattr(manager, attr, MethodType(build(stock, target), manager))
             bound += 1
     return bound
