@@ -64,6 +64,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.26.0",),
     ),
     Mutant(
+        "admission-reserves-nothing",
+        "patches/admission_reserves_running_prefills.py",
+        "            kwargs[\"reserved_blocks\"] = running_prefills_need(scheduler, running)\n",
+        # vLLM's own admission under deferred frees: each request against the blocks free now.
+        "            pass\n",
+        ("tests/test_admission_reservation.py::test_async_admission_waits_for_the_running_prefill",),
+        ("0.28.0",),
+    ),
+    Mutant(
+        "admission-reserves-for-waiting-loads",
+        "patches/admission_reserves_running_prefills.py",
+        "        if request.status == running\n",
+        # Requests that wait themselves (loads in flight or landed) reserved too: a landed load at the
+        # queue's head reserves against itself and nothing runs again.
+        "        if request.status != running or True\n",
+        ("tests/test_reliability_regressions.py::test_async_admissions_no_longer_preempt_each_other_for_ever",),
+        ("0.28.0",),
+    ),
+    Mutant(
         "stock-store-walks-handed-on-mamba",
         "patches/stock_store_skips_handed_on_mamba.py",
         "                if block.block_hash is not None and block.block_hash_num_tokens != (index + 1) * size:\n",

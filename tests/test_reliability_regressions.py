@@ -350,7 +350,7 @@ def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, mo
 # 0.26-0.28 run stock vLLM's soak on 64-token units, which leave no prompt tail inside a block
 # (tests/test_prompt_tail_keyed_once.py covers those wheels); 0.32+ keep their prompt-tail state where
 # no decode reaches it.
-ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_019, 213), "0.30.0": (4, 10_002, 172), "0.31.0": (1, 10_008, 157)}
+ASYNC_PROMPT_TAIL_SEEDS = {"0.29.0": (1, 10_018, 216), "0.30.0": (4, 10_013, 182), "0.31.0": (1, 10_002, 159)}
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
@@ -370,7 +370,7 @@ def test_async_soak_reads_no_mamba_state_past_its_boundary(plugin, adapter, sche
 # 6,375; seed 3 likewise). On 0.26 the connector path's per-group lookup must honour the drop too
 # (connector_hit_reconcile; without it q303 waited with its hit from step 6,374 on). Per wheel where
 # a seed was pinned: (seed, steps of the fixed run).
-ONE_ADMISSION_DROP_SEEDS = {"0.26.0": (8, 10_004), "0.29.0": (8, 10_010)}
+ONE_ADMISSION_DROP_SEEDS = {"0.26.0": (8, 10_001), "0.29.0": (8, 10_003)}
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
@@ -386,27 +386,45 @@ def test_async_dropped_hit_is_read_again_after_a_preemption(plugin, adapter, sch
 # 0.29's AsyncScheduler defers a preempted request's blocks a step, so two diverging requests
 # admitted into the last free blocks, each needing one more after its divergence chunk, preempted
 # each other and restarted for ever (seed 22: step 7,947, q435/q436; seeds 5 and 20 likewise).
-# (seed, steps of the fixed run) on 0.29; 0.30+ keep the wheel's own count (no seed of 0-200 stalls there).
-DIVERGENCE_ADMISSION_SEED = (22, 10_007)
+# Since patch admission_reserves_running_prefills the second admission also waits for the first's
+# remaining blocks, which keeps this seed live on its own. Steps of the run on 0.29 with both rules,
+# with only the count, with only the reservation; 0.30+ keep the wheel's own count (no seed of 0-200
+# stalled there).
+DIVERGENCE_ADMISSION_SEED = 22
+DIVERGENCE_ADMISSION_STEPS = {"both": 10_011, "count only": 10_007, "reservation only": 10_016}
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
 def test_async_divergence_admission_counts_the_kept_state_block(plugin, adapter, scheduling, monkeypatch):
+    from hybrid_kv_plugin.patches import admission_reserves_running_prefills
+
     variant = next((v for v in variants(adapter) if v.name == "plugin-divergence-fa64"), None)
     if variant is None:
         assert not adapter.divergence_checkpoint_supported  # 0.26-0.28 refuse the option
         return
-    seed, steps = DIVERGENCE_ADMISSION_SEED
+    seed = DIVERGENCE_ADMISSION_SEED
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
     if adapter.native_junction_manager_attr is not None:
         return
-    assert counts.steps == steps
-    # Without the admission's extra block (the plugin's count, not vLLM code): the two restart for ever.
+    steps = {"both": counts.steps}
+    # Each rule alone (the plugin's code zeroed, not vLLM's), then neither: the two restart for ever.
     from vllm.v1.core import kv_cache_coordinator
 
     manager_cls = kv_cache_coordinator.HybridKVCacheCoordinator._junction_manager_cls
-    monkeypatch.setattr(manager_cls, "_junction_block_owed", lambda self, request_id, computed: 0)
+    real_owed = manager_cls._junction_block_owed
+    real_need = admission_reserves_running_prefills.running_prefills_need
+    for name, owed, need in (
+        ("count only", real_owed, lambda scheduler, running: 0),
+        ("reservation only", lambda self, request_id, computed: 0, real_need),
+    ):
+        monkeypatch.setattr(manager_cls, "_junction_block_owed", owed)
+        monkeypatch.setattr(admission_reserves_running_prefills, "running_prefills_need", need)
+        counts, _, violations = soak(adapter, variant, 10_000, seed)
+        assert violations == [] and counts.byte_violations == 0
+        steps[name] = counts.steps
+    assert steps == DIVERGENCE_ADMISSION_STEPS
+    monkeypatch.setattr(admission_reserves_running_prefills, "running_prefills_need", lambda scheduler, running: 0)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [f"step {n}: not idle after {DRAIN_LIMIT} steps (['q435', 'q436', 'q438'] live)"
                           for n in (7_947, 10_947)]
@@ -434,3 +452,28 @@ def test_stock_connector_stores_no_mamba_block_it_handed_on(plugin, adapter, mon
     monkeypatch.setattr(stock_store_skips_handed_on_mamba, "null_handed_on_entries", lambda offload, groups: 0)
     _, _, violations = soak(adapter, _variant(adapter, "stock"), 10_000, seed)
     assert violations == ["step 9834: store issued at step 9832: source GPU blocks [20] changed while it was in flight"]
+
+
+# Two requests admitted together that preempt each other for ever (patches/admission_reserves_running_prefills.py):
+# under AsyncScheduler a preempted request's blocks come back a step later, so on 0.28.0 (`plugin`,
+# seed 24) q934 (303 tokens, hit 192) and q935 (304, hit 256), each admitted against the blocks free
+# then, left 2 where q934's next chunk needs 4, and were admitted the same way again from step 11,783
+# on (seeds 4 and 35 likewise). (seed, steps, byte-checked loads) of the fixed run on 0.28.0; every
+# wheel runs the seed clean.
+RUNNING_PREFILLS_SEED = (24, 10_014, 142)
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_async_admissions_no_longer_preempt_each_other_for_ever(plugin, adapter, scheduling, monkeypatch):
+    from hybrid_kv_plugin.patches import admission_reserves_running_prefills
+
+    seed, steps, checked_loads = RUNNING_PREFILLS_SEED
+    counts, _, violations = soak(adapter, _variant(adapter, "plugin"), 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
+    if adapter.version != "0.28.0":
+        return
+    assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
+    # The patch's count zeroed (the plugin's code, not vLLM's): the two are admitted together for ever.
+    monkeypatch.setattr(admission_reserves_running_prefills, "running_prefills_need", lambda scheduler, running: 0)
+    counts, _, violations = soak(adapter, _variant(adapter, "plugin"), 10_000, seed)
+    assert violations == [f"step {n}: not idle after {DRAIN_LIMIT} steps (['q934', 'q935'] live)" for n in (11_783, 14_783)]

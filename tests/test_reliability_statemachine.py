@@ -220,6 +220,16 @@ def expected_floors(adapter, variant, async_scheduling: bool = False) -> dict[st
         floors["partial_tails"] = 0
     if variant.full_attention_only or hash_block_size_for(adapter, variant) > HASH_BLOCK_SIZE:
         floors["preemptions"] = 0
+    if (
+        async_scheduling
+        and variant.name in ("plugin-divergence", "plugin-hybrid-tier-fa64")
+        and expected_side(adapter, variant) == OffloadMode.NATIVE.value
+    ):
+        # Under AsyncScheduler an admission now waits for the running prefills' blocks
+        # (admission_reserves_running_prefills), which spares these two their CI budget's
+        # preemptions on 0.30+ (0 of them; the floor of 1 held before); the other variants still
+        # preempt there (0.33.0: plugin 4, plugin-output-checkpoint 21).
+        floors["preemptions"] = 0
     return floors
 
 

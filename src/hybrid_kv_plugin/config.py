@@ -44,8 +44,10 @@ class PluginConfig(BaseModel):
     async_load_liveness: bool = Field(
         default=True,
         description="Keep the scheduler's waiting scan live around async KV loads (every wheel: a load "
-        "landing inside a Mamba block reserves its copy; vLLM 0.29+ after a failed load: drop stale "
-        "in-flight reservations, scan block holders first).",
+        "landing inside a Mamba block reserves its copy; with deferred block frees, as under async "
+        "scheduling with a KV-loading connector, an admission leaves the running prefills' remaining "
+        "blocks free; vLLM 0.29+ after a failed load: drop stale in-flight reservations, scan block "
+        "holders first).",
     )
     prompt_tail_checkpoint: Literal["native", "replay", "both"] = Field(
         default="native",

@@ -8,6 +8,10 @@ from typing import Any
 # The KV-cache managers (GPU side) of every AsyncScheduler built with the plugin: per-group code
 # asks here rather than getting an attribute (0.26-0.29 managers keep theirs inline).
 _ASYNC_SCHEDULERS_MANAGERS: weakref.WeakSet[Any] = weakref.WeakSet()
+# KVCacheManager -> its scheduler, for schedulers whose admissions reserve the running
+# prefills' blocks (patches/admission_reserves_running_prefills.py). Weak both ways: the
+# scheduler owns its manager.
+_RESERVING_SCHEDULERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
 def outputs_arrive_late(scheduler: Any) -> bool:
@@ -21,6 +25,39 @@ def note_scheduler(scheduler: Any) -> None:
     """Remember ``scheduler``'s KV-cache managers if it is an ``AsyncScheduler`` (at the end of its constructor)."""
     if outputs_arrive_late(scheduler):
         _ASYNC_SCHEDULERS_MANAGERS.update(scheduler.kv_cache_manager.coordinator.single_type_managers)
+    if reserves_running_prefills(scheduler):
+        _RESERVING_SCHEDULERS[scheduler.kv_cache_manager] = weakref.ref(scheduler)
+
+
+def frees_deferred(scheduler: Any) -> bool:
+    """Whether ``scheduler`` frees a finished or preempted request's blocks only a step later.
+
+    vLLM sets ``defer_block_free`` when batches overlap (``AsyncScheduler``, pipeline
+    parallelism) and a connector loads KV into the GPU blocks.
+    """
+    return bool(getattr(scheduler, "defer_block_free", False))
+
+
+def reserves_running_prefills(scheduler: Any) -> bool:
+    """Whether ``scheduler``'s admissions keep free what its running prefills still need.
+
+    An ``AsyncScheduler`` with deferred frees only (a preemption there frees nothing in
+    time), and only with the plugin's ``async_load_liveness`` switch on. A ``Scheduler``
+    defers too under pipeline parallelism; the plugin's tests drive no such engine, so it
+    keeps vLLM's rule there.
+    """
+    config = getattr(scheduler, "hybrid_kv_config", None)
+    return (
+        outputs_arrive_late(scheduler)
+        and frees_deferred(scheduler)
+        and (config is None or config.async_load_liveness)
+    )
+
+
+def reserving_scheduler_of(kv_cache_manager: Any) -> Any:
+    """The scheduler whose admissions reserve the running prefills, if ``kv_cache_manager`` is its."""
+    ref = _RESERVING_SCHEDULERS.get(kv_cache_manager)
+    return None if ref is None else ref()
 
 
 def manager_of_async_scheduler(manager: Any) -> bool:

@@ -91,7 +91,7 @@ FEATURES: tuple[FeatureRow, ...] = (
     ),
     FeatureRow(
         "async_load_liveness",
-        "Waiting scan stays live after a failed async KV load (vLLM fix)",
+        "Waiting scan stays live around async KV loads and deferred block frees (vLLM fix)",
         _HYBRID_KV % "async_load_liveness" + " (default true)",
     ),
 )

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_kv_plugin.adapters import ADAPTERS, parse_release
 from hybrid_kv_plugin.patches import (
+    admission_reserves_running_prefills,
     async_load_landing_reservation,
     async_load_liveness,
     boundary_handoff_publish,
@@ -70,7 +71,9 @@ if TYPE_CHECKING:
 # prompt_tail_split wraps junction_split; output_checkpoint_bind wraps scheduler_plugin_config and
 # divergence_bind wraps both; output_checkpoint_manager wraps prompt_tail_manager, which wraps
 # prompt_tail_keyed_once;
-# divergence_attention_keys wraps prompt_tail_attention), and uninstall in reverse.
+# divergence_attention_keys wraps prompt_tail_attention; admission_reserves_running_prefills wraps
+# local_hit_admission's allocate_slots, outermost so that an engine it is inert for binds past it),
+# and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
     nixl_exchange_clip,
@@ -101,6 +104,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     async_load_landing_reservation,
     same_step_copy_chains,
     local_hit_admission,
+    admission_reserves_running_prefills,
     step_stats_without_outputs,
 )
 
