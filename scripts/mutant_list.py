@@ -196,9 +196,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "async-load-landing-copy-not-reserved",
         "patches/async_load_landing_reservation.py",
-        "            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if r.num_computed_tokens % block_size])\n",
+        "            extra += LANDING_COPY_BLOCKS * sum(map(bool, map(manager.block_size.__rmod__, computed)))\n",
         # Counts the copy only for loads landing on a block boundary, where none is needed.
-        "            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if not r.num_computed_tokens % block_size])\n",
+        "            extra += LANDING_COPY_BLOCKS * sum(map(operator.not_, map(manager.block_size.__rmod__, computed)))\n",
         ("tests/test_reliability_regressions.py::test_load_landing_inside_a_mamba_block_reserves_its_copy",),
         ("0.29.0", "0.30.0"),
     ),

@@ -52,6 +52,7 @@ INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 # copy-on-write block and the running state's block (vLLM's MambaManager estimate).
 LANDING_COPY_BLOCKS = 2
 _status = operator.attrgetter("status")
+_computed = operator.attrgetter("num_computed_tokens")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -78,16 +79,17 @@ def landing_copy_blocks(kv_cache_manager: Any, requests: Any, waiting_for_load: 
 
     Only requests in status ``waiting_for_load`` count (a load that has landed is counted by
     the wheel's own per-request need). Runs once per async admission over every in-flight
-    prefill, most of them running chunks: the loads are picked out in C, Python sees only them.
+    prefill, most of them running chunks: the loads are picked out and counted in C.
     """
     loads = list(compress(requests, map(waiting_for_load.__eq__, map(_status, requests))))
     if not loads:
         return 0
+    computed = list(map(_computed, loads))
     extra = 0
     for manager in kv_cache_manager.coordinator.single_type_managers:
         if getattr(manager, "mamba_cache_mode", None) == "align":
-            block_size = manager.block_size
-            extra += LANDING_COPY_BLOCKS * len([1 for r in loads if r.num_computed_tokens % block_size])
+            # Loads ending inside a block: those with a non-zero remainder.
+            extra += LANDING_COPY_BLOCKS * sum(map(bool, map(manager.block_size.__rmod__, computed)))
     return extra
 
 
