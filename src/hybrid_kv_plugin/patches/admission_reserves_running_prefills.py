@@ -15,8 +15,9 @@ again, for ever. Found by the soak under ``AsyncScheduler`` (0.28.0, ``plugin``,
 seeds 4, 24 and 35 of 0-40; seed 24: q934 admitted with 21 of 39 blocks free,
 q935 with 22 of 22, then 2 left where q934's next chunk needs 4).
 
-What it changes: for a scheduler that defers its frees (and only with the
-``async_load_liveness`` switch on, the default), a waiting or preempted request's
+What it changes: for an ``AsyncScheduler`` that defers its frees (and only with the
+``async_load_liveness`` switch on, the default; a ``Scheduler`` under pipeline
+parallelism defers too, but no test here drives one, so it keeps vLLM's rule), a waiting or preempted request's
 allocation is held to the free blocks minus what the *running* prefills still need
 (``_request_remaining_blocks`` over the running members of ``_inflight_prefills``) -
 the rule vLLM applies to async loads, less the requests that wait themselves (an
