@@ -64,6 +64,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.26.0",),
     ),
     Mutant(
+        "byte-model-keeps-rejected-drafts",
+        "sim/byte_cache.py",
+        "                self._reject_drafts(req_id, table, start, h)\n",
+        # The byte model tags the slot and state with the rejected drafts' end: a false "token ahead".
+        "                pass\n",
+        ("tests/test_byte_cache.py::test_rejected_drafts_leave_the_accepted_state",),
+        ("0.29.0",),
+    ),
+    Mutant(
         "admission-reserves-nothing",
         "patches/admission_reserves_running_prefills.py",
         "            kwargs[\"reserved_blocks\"] = running_prefills_need(scheduler, running)\n",

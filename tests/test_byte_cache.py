@@ -220,3 +220,45 @@ def test_stock_connector_path_hit_holds_every_groups_data(no_plugin, adapter):
         return
     assert run.request(tokens(150, offset=500)) == 128
     assert cache.violations == []
+
+
+# The bench's EAGLE segment (default_workload's "agents": 15 requests, ideal 4,224 tokens) under
+# AsyncScheduler, byte check on: vLLM pads each decode with placeholder drafts, the simulated worker
+# accepts none, and the next step starts below what the last one wrote. Per wheel, (steps, reused
+# from GPU, reused from CPU) for stock vLLM with its SimpleCPU connector and for the plugin with the
+# junction checkpoint.
+ASYNC_EAGLE = {
+    "0.26.0": {"stock": (89, 2016, 1664), "plugin+junction": (101, 1792, 2048)},
+    "0.27.1": {"stock": (89, 1792, 1920), "plugin+junction": (104, 1792, 2064)},
+    **{v: {"stock": (99, 768, 1536), "plugin+junction": (99, 960, 2064)} for v in ("0.28.0", "0.29.0")},
+    **{v: {"stock": (87, 768, 1536), "plugin+junction": (87, 960, 2064)} for v in ("0.30.0", "0.31.0", "0.32.0", "0.33.0")},
+}
+
+
+def _async_eagle_replay(name: str):
+    from hybrid_kv_plugin.sim.configs import CONFIGS
+    from hybrid_kv_plugin.sim.replay import ReplaySettings, replay
+    from hybrid_kv_plugin.sim.workload import default_workload
+
+    segments = [segment for segment in default_workload(0) if segment.eagle]
+    result = replay(segments, ReplaySettings(), CONFIGS[name], observe=False, per_request=False)
+    assert result.ideal_tokens == 4_224
+    return result.steps, result.reused_gpu_tokens, result.reused_cpu_tokens
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_rejected_drafts_leave_the_accepted_state(adapter, scheduling):
+    assert {name: _async_eagle_replay(name) for name in ("stock", "plugin+junction")} == ASYNC_EAGLE[adapter.version]
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_without_the_draft_model_the_check_sees_a_token_ahead(adapter, scheduling, monkeypatch):
+    from hybrid_kv_plugin.sim.byte_cache import ByteCache
+
+    if adapter.version != "0.29.0":
+        return
+    # The byte model as it was (the simulator's code, not vLLM's): the rejected draft's position looks written.
+    monkeypatch.setattr(ByteCache, "_reject_drafts", lambda self, req_id, table, start, h: None)
+    with pytest.raises(AssertionError) as failure:
+        _async_eagle_replay("stock")
+    assert "step 5: agent0-root: Mamba state (group 1) read at token 450: 1 wrong: block 29 holds group 1 content up to token 451" in str(failure.value)

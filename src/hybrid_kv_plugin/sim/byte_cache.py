@@ -15,7 +15,11 @@ every KV-cache group overlays) and plays the model runner's side of each step:
   and each Mamba state block with a tag of the exact position it is the state after;
 - SimpleCPU loads and stores copy tags through exactly the block ids of the
   connector metadata, when the worker reports them done (or at a preemption
-  flush); a failed load poisons its destination blocks.
+  flush); a failed load poisons its destination blocks;
+- speculative drafts the worker did not accept (the simulated worker accepts none)
+  leave the request's own next step starting below what the previous one wrote:
+  the runner keeps the state after the accepted tokens and overwrites the rejected
+  positions, so the partly filled slot and the state are those of the accepted end.
 
 A tag is derived from the content only: a polynomial hash of the token ids up to
 its end position, the end position and the KV-cache group. Checks (violations are
@@ -245,6 +249,8 @@ class ByteCache:
         self.tables: dict[str, list[list[int]]] = {}
         self.mamba_state_idx: dict[str, int] = {}
         self.next_position: dict[str, int] = {}
+        # Draft tokens each request's last chunk scheduled (speculative decoding).
+        self.drafts: dict[str, int] = {}
         self.transfers: dict[tuple[str, int], _Transfer] = {}
         self.violations: list[str] = []
         self.stats = ByteStats()
@@ -342,6 +348,8 @@ class ByteCache:
         cached = scheduler_output.scheduled_cached_reqs
         starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
         starts.update(new)
+        continued = set(cached.req_ids) - set(cached.resumed_req_ids)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             start = starts[req_id]
             table = self.tables.get(req_id)
@@ -350,7 +358,12 @@ class ByteCache:
                 self._violation(f"{req_id}: scheduled without a block table the runner knows")
                 continue
             self.stats.chunks += 1
-            fresh = self.next_position.get(req_id) != start
+            written = self.next_position.get(req_id)
+            if req_id in continued and written is not None and 0 < written - start <= self.drafts.get(req_id, 0):
+                self._reject_drafts(req_id, table, start, h)
+                written = start
+            self.drafts[req_id] = len(drafts.get(req_id, ()))
+            fresh = written != start
             if fresh and start > 0:
                 self.stats.fresh_hits += 1
             for group, block_size in self.attention:
@@ -360,6 +373,19 @@ class ByteCache:
             for group, block_size in self.mamba:
                 self._mamba(req_id, table[group], group, block_size, start, num_tokens, h, fresh, prev_state)
             self.next_position[req_id] = start + num_tokens
+
+    def _reject_drafts(self, req_id: str, table: list[list[int]], start: int, h: np.ndarray) -> None:
+        """The runner's view after rejected drafts: the partly filled slot and the state end at ``start``."""
+        gpu = self._g
+        for group, block_size in self.attention:
+            per_slot = block_size // self.slots
+            if start % per_slot:
+                slot = start // per_slot
+                gpu[table[group][slot * per_slot // block_size], slot % self.slots] = make_tag(h, start, group)
+        state = self.mamba_state_idx.get(req_id)
+        if state is not None:
+            for group, _ in self.mamba:
+                gpu[table[group][state]] = make_tag(h, start, group)
 
     def _attention(self, req_id: str, table: list[int], group: int, block_size: int, start: int, num: int,
                    h: np.ndarray, fresh: bool) -> None:
@@ -424,7 +450,7 @@ class ByteCache:
         gpu[table[curr]] = make_tag(h, start + num, group)
 
     def _forget(self, req_id: str) -> None:
-        for table in (self.tables, self.mamba_state_idx, self.next_position, self.prefixes):
+        for table in (self.tables, self.mamba_state_idx, self.next_position, self.drafts, self.prefixes):
             table.pop(req_id, None)
 
     # ------------------------------------------------------------------ SimpleCPU transfers
