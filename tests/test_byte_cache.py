@@ -251,14 +251,25 @@ def test_rejected_drafts_leave_the_accepted_state(adapter, scheduling):
     assert {name: _async_eagle_replay(name) for name in ("stock", "plugin+junction")} == ASYNC_EAGLE[adapter.version]
 
 
+# Without the draft model, the step at which agent0-root's own decode reads a slot and state one token "ahead"
+# (tokens 450..452, content up to 451). 0.26.0 replays this segment without it (its rejected drafts never
+# leave a partly filled slot or state behind here).
+TOKEN_AHEAD_STEP = {"0.26.0": None, "0.27.1": 5, "0.28.0": 5, "0.29.0": 5} | dict.fromkeys(("0.30.0", "0.31.0", "0.32.0", "0.33.0"), 4)
+
+
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
 def test_without_the_draft_model_the_check_sees_a_token_ahead(adapter, scheduling, monkeypatch):
     from hybrid_kv_plugin.sim.byte_cache import ByteCache
 
-    if adapter.version != "0.29.0":
-        return
     # The byte model as it was (the simulator's code, not vLLM's): the rejected draft's position looks written.
     monkeypatch.setattr(ByteCache, "_reject_drafts", lambda self, req_id, table, start, h: None)
+    step = TOKEN_AHEAD_STEP[adapter.version]
+    if step is None:
+        assert _async_eagle_replay("stock") == ASYNC_EAGLE[adapter.version]["stock"]
+        return
     with pytest.raises(AssertionError) as failure:
         _async_eagle_replay("stock")
-    assert "step 5: agent0-root: Mamba state (group 1) read at token 450: 1 wrong: block 29 holds group 1 content up to token 451" in str(failure.value)
+    assert (
+        f"step {step}: agent0-root: Mamba state (group 1) read at token 450: 1 wrong: " in str(failure.value)
+        and "holds group 1 content up to token 451, expected group 1 content up to token 450" in str(failure.value)
+    )
