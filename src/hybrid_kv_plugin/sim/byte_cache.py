@@ -348,7 +348,6 @@ class ByteCache:
         cached = scheduler_output.scheduled_cached_reqs
         starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
         starts.update(new)
-        continued = set(cached.req_ids) - set(cached.resumed_req_ids)
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             start = starts[req_id]
@@ -359,7 +358,12 @@ class ByteCache:
                 continue
             self.stats.chunks += 1
             written = self.next_position.get(req_id)
-            if req_id in continued and written is not None and 0 < written - start <= self.drafts.get(req_id, 0):
+            if (
+                written is not None
+                and 0 < written - start <= self.drafts.get(req_id, 0)
+                and req_id not in new
+                and req_id not in cached.resumed_req_ids
+            ):
                 self._reject_drafts(req_id, table, start, h)
                 written = start
             self.drafts[req_id] = len(drafts.get(req_id, ()))
