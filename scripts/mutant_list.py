@@ -34,6 +34,25 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "eagle-chunk-runs-past-the-block-end",
+        "patches/mamba_split_keeps_block_grid.py",
+        "    return boundary if boundary < end else None\n",
+        # 0.26's split as shipped: a prompt chunk resumed mid-block crosses the block's end, leaving its
+        # slot holding the earlier chunk's state, cached as the block-end state.
+        "    return None\n",
+        ("tests/test_eagle_mamba_grid.py::test_a_mid_block_chunk_stops_at_the_block_end",),
+        ("0.26.0",),
+    ),
+    Mutant(
+        "cpu-lookup-keeps-eagles-last-block",
+        "patches/cpu_lookup_follows_eagle.py",
+        "                kwargs[\"use_eagle\"] = True\n",
+        # The CPU coordinator built as 0.26 builds it: a CPU-tier hit one block deeper than the GPU's.
+        "                pass\n",
+        ("tests/test_cpu_lookup_follows_eagle.py::test_cpu_tier_hit_equals_the_gpu_hit",),
+        ("0.26.0",),
+    ),
+    Mutant(
         "prompt-tail-keyed-again-after-its-chunk",
         "patches/prompt_tail_keyed_once.py",
         "            and request.num_computed_tokens >= num_tokens\n",

@@ -191,13 +191,14 @@ def test_patches_of_one_target_stack_in_order_and_unwind_in_reverse(no_plugin, a
     names = {s.name for s in good}
     assert init_chain == [n for n in ("divergence_bind", "output_checkpoint_bind", "scheduler_plugin_config") if n in names]
     assert inner is stock_init
-    # 0.29: the tail split wraps the junction split of the same method.
+    # 0.29: the tail split wraps the junction split of the same method (0.26: which wraps the grid stop).
     split = inspect.getattr_static(Scheduler, "_mamba_block_aligned_split")
     wrappers = []
     while is_patched(split):
         wrappers.append(getattr(split, PATCH_MARKER))
         split = split.__wrapped__
-    expected = [name for name in ("prompt_tail_split", "junction_split") if name in {s.name for s in good}]
+    chain = ("prompt_tail_split", "junction_split", "mamba_split_keeps_block_grid")
+    expected = [name for name in chain if name in {s.name for s in good}]
     assert wrappers == expected
     patch_set.uninstall()
     for owner, attr, original in owners:

@@ -457,7 +457,7 @@ def test_stock_connector_stores_no_mamba_block_it_handed_on(plugin, adapter, mon
 # Two requests admitted together that preempt each other for ever (patches/admission_reserves_running_prefills.py):
 # under AsyncScheduler a preempted request's blocks come back a step later, so on 0.28.0 (`plugin`,
 # seed 24) q934 (303 tokens, hit 192) and q935 (304, hit 256), each admitted against the blocks free
-# then, left 2 where q934's next chunk needs 4, and were admitted the same way again from step 11,783
+# then, left 2 where q934's next chunk needs 4, and were admitted the same way again until the drain gave up at step 11,797
 # on (seeds 4 and 35 likewise). (seed, steps, byte-checked loads) of the fixed run on 0.28.0; every
 # wheel runs the seed clean.
 RUNNING_PREFILLS_SEED = (24, 10_014, 142)
@@ -474,10 +474,37 @@ def test_async_admissions_no_longer_preempt_each_other_for_ever(plugin, adapter,
         return
     assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
     # The patch's count zeroed (the plugin's code, not vLLM's): the two are admitted together for ever.
-    # The step the drain gives up at is 11,783 in a process of its own and 11,797 after the whole suite
-    # (the stalled livelock depends on what the process ran before; why is not known); the pair is the same.
+    # The drain gives up at step 11,797 under PYTHONHASHSEED=0 in any test order (11,783 is this seed with
+    # request ends on auto, the command-line soak's default; other hash seeds give 11,798: vLLM frees a
+    # finished load's CPU blocks in the order of a set of request ids).
     monkeypatch.setattr(admission_reserves_running_prefills, "running_prefills_need", lambda scheduler, running: 0)
     counts, _, violations = soak(adapter, _variant(adapter, "plugin"), 10_000, seed)
     first, second = (int(v.split(":", 1)[0].removeprefix("step ")) for v in violations)
-    assert 11_783 <= first <= 11_797 and second == first + DRAIN_LIMIT
+    assert (first, second) == (11_797, 11_797 + DRAIN_LIMIT)
     assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps (['q934', 'q935'] live)"] * 2
+
+
+# EAGLE + Mamba align on 0.26 (patches/mamba_split_keeps_block_grid.py): a prompt chunk resumed
+# inside a Mamba block ran past the block's end, and the slot it left holding the earlier chunk's
+# state was cached as the block-end state. (seed, steps, byte-checked loads) of the fixed 0.26.0
+# run of `plugin-junction` (the junction checkpoint under EAGLE); every wheel runs the seed clean.
+EAGLE_GRID_SEED = (0, 10_002, 148)
+
+
+def test_eagle_prompt_chunks_keep_the_mamba_grid(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin.patches import mamba_split_keeps_block_grid
+
+    seed, steps, checked_loads = EAGLE_GRID_SEED
+    variant = next(v for v in variants(adapter) if v.name == "plugin-junction")  # request ends: auto
+    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
+    if not adapter.mamba_split_aligns_below_cache_limit_only:
+        return
+    assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
+    # The stop off (the plugin's code, not vLLM's): q67 resumes from a slot cached at 128 holding 80.
+    monkeypatch.setattr(mamba_split_keeps_block_grid, "block_end_stop", lambda scheduler, request, start, end: None)
+    _, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [
+        "step 619: q67: Mamba state (group 1) read at token 128: 1 wrong: block 34 holds group 1 content up to "
+        "token 80, expected group 1 content up to token 128"
+    ]

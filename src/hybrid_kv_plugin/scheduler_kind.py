@@ -12,6 +12,10 @@ _ASYNC_SCHEDULERS_MANAGERS: weakref.WeakSet[Any] = weakref.WeakSet()
 # prefills' blocks (patches/admission_reserves_running_prefills.py). Weak both ways: the
 # scheduler owns its manager.
 _RESERVING_SCHEDULERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+# GPU block pool id -> (a weak reference to it, to tell a reused id; the attention groups whose full
+# blocks a prefix hit can end inside). Only engines whose EAGLE-family drafter drops one prefix-match
+# unit off a hit, on attention blocks coarser than that unit (patches/local_hit_admission.py).
+HIT_INSIDE_FULL_BLOCKS: dict[int, tuple[weakref.ref[Any], frozenset[int]]] = {}
 
 
 def outputs_arrive_late(scheduler: Any) -> bool:
@@ -27,6 +31,28 @@ def note_scheduler(scheduler: Any) -> None:
         _ASYNC_SCHEDULERS_MANAGERS.update(scheduler.kv_cache_manager.coordinator.single_type_managers)
     if reserves_running_prefills(scheduler):
         _RESERVING_SCHEDULERS[scheduler.kv_cache_manager] = weakref.ref(scheduler)
+    pool = scheduler.kv_cache_manager.block_pool
+    groups = groups_hit_inside_full_blocks(scheduler)
+    if groups:
+        HIT_INSIDE_FULL_BLOCKS[id(pool)] = (weakref.ref(pool), groups)
+    else:
+        HIT_INSIDE_FULL_BLOCKS.pop(id(pool), None)
+
+
+def groups_hit_inside_full_blocks(scheduler: Any) -> frozenset[int]:
+    """The attention groups of ``scheduler`` whose full blocks a prefix hit can end inside: under
+    EAGLE (the drafter's last unit is recomputed), on blocks coarser than the prefix-match unit."""
+    if not getattr(scheduler, "use_eagle", False):
+        return frozenset()
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    manager = scheduler.kv_cache_manager
+    unit = manager.block_pool.hash_block_size
+    return frozenset(
+        m.kv_cache_group_id
+        for m in manager.coordinator.single_type_managers
+        if isinstance(m, FullAttentionManager) and m.block_size > unit
+    )
 
 
 def frees_deferred(scheduler: Any) -> bool:

@@ -58,12 +58,15 @@ class Variant:
     # Attention block coarser than the prefix-match unit (None: equal to it), so a prompt's
     # last hash boundary can fall inside an attention block (a partial attention tail).
     attention_block_size: int | None = None
+    # EAGLE speculative decoding (one draft token; the draft model's attention layer joins the
+    # attention group): the trailing-block drop, and under AsyncScheduler placeholder drafts.
+    eagle: bool = False
 
     def describe(self) -> str:
         extra = ", ".join(f"{k}={v}" for k, v in self.extra)
         fa = self.attention_block_size or "16"
         shape = "full attention only" if self.full_attention_only else f"hybrid FA{fa} + Mamba64 align"
-        return f"{self.connector}({extra}) on {shape}"
+        return f"{self.connector}({extra}) on {shape}{' with EAGLE' if self.eagle else ''}"
 
 
 def variants(adapter: Any) -> list[Variant]:
@@ -107,6 +110,9 @@ def variants(adapter: Any) -> list[Variant]:
             if adapter.divergence_checkpoint_supported
             else []
         ),
+        # The junction checkpoint under EAGLE (the plugin's backport on 0.26-0.29, vLLM's own from 0.30).
+        Variant("plugin-junction", CONNECTOR_NAME, opt_out, plugin_options=(("mamba_shared_prefix_checkpoint", True),),
+                eagle=True),
         # The CPU tier declines request ends off the Mamba grid (states and attention partial tails).
         *(
             [Variant("plugin-skip-ends-fa32", CONNECTOR_NAME, (("cpu_tier_request_ends", "skip"),),
@@ -218,6 +224,7 @@ class FaultHarness:
             max_num_seqs=8,
             max_model_len=1024,
             full_attention_only=self.variant.full_attention_only,
+            eagle=self.variant.eagle,
         )
         self.engine = SimEngine(
             geometry,

@@ -28,11 +28,18 @@ running (``tests/test_hit_never_fits.py``: a 383-token request extending a 49-to
 one, 64-token blocks, 10-block pool, on every wheel). Found by the randomized soak
 (``plugin`` with 64-token attention blocks, seed 39, 0.32.0 and 0.33.0).
 
-What it changes (three attributes, installed together):
+What it changes (four attributes, installed together):
 
 * ``BlockPool.cache_partial_block``: after the wheel's method, a key registered for
   a position the requesting request has not computed yet marks its block as
   written from ``max(computed tokens, block start)`` by this step's forward pass;
+* ``BlockPool.cache_full_blocks``: likewise for the full blocks a chunk keys as it is
+  scheduled, on engines where a hit can end inside one: EAGLE drops one prefix-match
+  unit off a full-block hit, on attention blocks coarser than the unit
+  (``scheduler_kind.HIT_INSIDE_FULL_BLOCKS``; other engines mark nothing). Found by the
+  soak's ``plugin-junction`` with 32-token attention blocks (0.26-0.33): a request
+  admitted in the step that computes a shared prefix's block 128..160 hit 144 and
+  read zeros;
 * ``KVCacheManager.allocate_slots``: a request whose local hit ends inside such a
   block of a full-attention group, past that position, is not allocated this step
   (the answer the scheduler gets when blocks run short), so it is admitted a step
@@ -70,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
+from hybrid_kv_plugin.scheduler_kind import HIT_INSIDE_FULL_BLOCKS
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -89,7 +97,7 @@ _WRITTEN_FROM: dict[int, dict[int, int]] = {}
 
 
 def specs(adapter: VllmAdapter) -> list[PatchSpec]:
-    """The three targets of this patch, installed together (with every other patch, or none)."""
+    """The four targets of this patch, installed together (with every other patch, or none)."""
     common = dict(
         why="a partial hit's copy-on-write copy runs before the forward pass that writes its source block, "
         "and a hit that makes a request too large for the whole pool is refused forever",
@@ -101,6 +109,15 @@ def specs(adapter: VllmAdapter) -> list[PatchSpec]:
             target=f"{POOL}.cache_partial_block",
             fingerprint=Fingerprint(params=("self", "request", "block", "num_tokens", "kv_cache_group_id", "block_size")),
             build=_wrap_mark,
+            **common,
+        ),
+        PatchSpec(
+            name="local_hit_admission.mark_full",
+            target=f"{POOL}.cache_full_blocks",
+            fingerprint=Fingerprint(
+                params=("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id")
+            ),
+            build=_wrap_mark_full,
             **common,
         ),
         PatchSpec(
@@ -148,6 +165,36 @@ def _wrap_mark(original: Any) -> Any:
         return key
 
     return cache_partial_block
+
+
+def _wrap_mark_full(original: Any) -> Any:
+    @functools.wraps(original)
+    def cache_full_blocks(
+        self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, block_size: int,
+        kv_cache_group_id: int, *args: Any, **kwargs: Any,
+    ) -> Any:
+        original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs)
+        if HIT_INSIDE_FULL_BLOCKS:  # an EAGLE engine with coarse attention blocks exists: is it this pool?
+            entry = HIT_INSIDE_FULL_BLOCKS.get(id(self))
+            computed = request.num_computed_tokens
+            # Blocks keyed now that this step's forward pass still writes (all but a hit's or a replay's).
+            if (
+                entry is not None and entry[0]() is self and kv_cache_group_id in entry[1]
+                and num_full_blocks * block_size > computed
+            ):
+                mark_written(self, blocks, max(num_cached_blocks, computed // block_size), num_full_blocks, block_size, computed)
+
+    return cache_full_blocks
+
+
+def mark_written(pool: Any, blocks: Any, first: int, stop: int, block_size: int, computed: int) -> None:
+    """Mark ``blocks[first:stop]`` as written by this step's forward pass from ``max(computed, block start)``."""
+    marks = _WRITTEN_FROM.setdefault(id(pool), {})
+    for index in range(first, stop):
+        block_id = blocks[index].block_id
+        start = max(computed, index * block_size)
+        if marks.get(block_id, start) >= start:
+            marks[block_id] = start
 
 
 def unwritten_local_hit(kv_cache_manager: Any, hit_tokens: int, new_computed_blocks: Any, full_attention: type) -> bool:

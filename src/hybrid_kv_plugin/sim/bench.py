@@ -77,12 +77,18 @@ class BytecodeCounter:
             return on_opcode
 
         def counted(call: Any, *args: Any) -> Any:
+            # No collection inside a counted call: gc.callbacks (Hypothesis installs one for good) and
+            # finalizers would run under the tracer, whenever what the process allocated before says.
+            collecting = gc.isenabled()
+            gc.disable()
             previous = sys.gettrace()
             sys.settrace(on_call)
             try:
                 return call(*args)
             finally:
                 sys.settrace(previous)
+                if collecting:
+                    gc.enable()
 
         schedule, update = scheduler.schedule, scheduler.update_from_output
 
