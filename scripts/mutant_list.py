@@ -34,6 +34,15 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "eagle-full-block-hit-copies-unwritten-block",
+        "patches/local_hit_admission.py",
+        "                entry is not None and entry[0]() is self and kv_cache_group_id in entry[1]\n",
+        # Full blocks keyed in this step are never marked: a hit EAGLE ends inside one is copied as zeros.
+        "                False\n",
+        ("tests/test_reliability_regressions.py::test_eagle_hit_inside_a_block_keyed_this_step_waits",),
+        ("0.26.0",),
+    ),
+    Mutant(
         "eagle-chunk-runs-past-the-block-end",
         "patches/mamba_split_keeps_block_grid.py",
         "    return boundary if boundary < end else None\n",

@@ -508,3 +508,31 @@ def test_eagle_prompt_chunks_keep_the_mamba_grid(plugin, adapter, monkeypatch):
         "step 619: q67: Mamba state (group 1) read at token 128: 1 wrong: block 34 holds group 1 content up to "
         "token 80, expected group 1 content up to token 128"
     ]
+
+
+# A hit EAGLE ends inside a full attention block keyed by a chunk of the same step (local_hit_admission,
+# full-block marks): `plugin-junction` with 32-token attention blocks, seed 4. On 0.26.0 q75 computes
+# 128..208 and keys block 128..160 as it is scheduled; q76, admitted in that step, hits 160 less EAGLE's
+# unit: 144, a copy of that block made before the forward pass writes it. (seed, steps, byte-checked
+# loads) of the fixed 0.26.0 run; every wheel runs the seed clean.
+FULL_BLOCK_MARK_SEED = (4, 10_015, 385)
+
+
+def test_eagle_hit_inside_a_block_keyed_this_step_waits(plugin, adapter, monkeypatch):
+    from hybrid_kv_plugin import scheduler_kind
+
+    seed, steps, checked_loads = FULL_BLOCK_MARK_SEED
+    junction = next(v for v in variants(adapter) if v.name == "plugin-junction")
+    variant = dataclasses.replace(junction, name="plugin-junction-fa32", attention_block_size=32)
+    counts, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
+    if adapter.version != "0.26.0":
+        return
+    assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
+    # No engine marks full blocks (the plugin's code, not vLLM's): q76's copy reads zeros.
+    monkeypatch.setattr(scheduler_kind, "groups_hit_inside_full_blocks", lambda scheduler: frozenset())
+    _, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations == [
+        "step 711: q76: attention (group 0) before tokens 144..160: 1 wrong: block 13 holds zeroed, "
+        "expected group 0 content up to token 144"
+    ]
