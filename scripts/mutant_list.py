@@ -53,15 +53,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.26.0",),
     ),
     Mutant(
-        "cpu-lookup-keeps-eagles-last-block",
-        "patches/cpu_lookup_follows_eagle.py",
-        "                kwargs[\"use_eagle\"] = True\n",
-        # The CPU coordinator built as 0.26 builds it: a CPU-tier hit one block deeper than the GPU's.
-        "                pass\n",
-        ("tests/test_cpu_lookup_follows_eagle.py::test_cpu_tier_hit_equals_the_gpu_hit",),
-        ("0.26.0",),
-    ),
-    Mutant(
         "prompt-tail-keyed-again-after-its-chunk",
         "patches/prompt_tail_keyed_once.py",
         "            and request.num_computed_tokens >= num_tokens\n",

@@ -66,7 +66,6 @@ def test_each_patch_names_what_it_serves(adapter, capsys):
         "local_hit_admission": "vllm_fix",
         "step_stats_without_outputs": "vllm_fix",
         "stock_store_skips_handed_on_mamba": "vllm_fix",
-        "cpu_lookup_follows_eagle": "vllm_fix",
         "mamba_split_keeps_block_grid": "vllm_fix",
     }
     assert all(m.FEATURE in PATCH_TAGS for m in PATCH_MODULES)

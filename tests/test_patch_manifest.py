@@ -46,7 +46,6 @@ REMOVAL_NOTES = {
     "admission_reserves_running_prefills": "not yet (present up to 0.33.0)",
     "step_stats_without_outputs": "0.28.0",
     "stock_store_skips_handed_on_mamba": "0.30.0",
-    "cpu_lookup_follows_eagle": "0.27.0",
     "mamba_split_keeps_block_grid": "0.27.0",
 }
 
@@ -97,7 +96,7 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "mamba_split_keeps_block_grid", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "cpu_lookup_follows_eagle", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "step_stats_without_outputs",
+        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",

@@ -96,9 +96,6 @@ class VllmAdapter:
     # accumulated, which keeps blocks the request has handed on (0.26-0.29; 0.30+ takes them
     # from the boundary hand-offs; patch stock_store_skips_handed_on_mamba).
     simplecpu_scans_mamba_positionally: ClassVar[bool] = True
-    # The SimpleCPU scheduler side builds its CPU coordinator without EAGLE's last-block drop,
-    # so a CPU hit reads a block EAGLE never resumes from (0.26; patch cpu_lookup_follows_eagle).
-    simplecpu_lookup_ignores_eagle: ClassVar[bool] = False
     # The align-mode split keeps chunk ends on the Mamba block grid only below the last position a
     # hit resumes from, which EAGLE lowers a block (0.26; patch mamba_split_keeps_block_grid).
     mamba_split_aligns_below_cache_limit_only: ClassVar[bool] = False

@@ -27,8 +27,6 @@ class Vllm026Adapter(VllmAdapter):
     mamba_marks_requests_allocating_nothing = False
     # LLMEngine.step() drops the stats of a step without request outputs (0.28 fixed it).
     llm_engine_drops_stats_without_outputs = True
-    # Its SimpleCPU CPU coordinator is built with use_eagle=False (0.27 passes the engine's).
-    simplecpu_lookup_ignores_eagle = True
     # Its split lets a chunk end mid-block above that limit (0.27 keeps every prompt chunk on the grid).
     mamba_split_aligns_below_cache_limit_only = True
 

@@ -18,10 +18,8 @@ class Vllm027Adapter(Vllm026Adapter):
     # A producer's prompt-tail copy is offered as SchedulerOutput.partial_tail_offloads and
     # pinned by the KV-cache manager until the request's blocks are freed.
     kv_cache_manager_pins_partial_tails = True
-    # Every prompt chunk ends on the Mamba grid (vLLM PR #51113); the SimpleCPU coordinator
-    # drops EAGLE's last block as the GPU one does (vLLM PR #49071).
+    # Every prompt chunk ends on the Mamba grid (vLLM PR #51113).
     mamba_split_aligns_below_cache_limit_only = False
-    simplecpu_lookup_ignores_eagle = False
 
     @classmethod
     def probe(cls) -> bool:
