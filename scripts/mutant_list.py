@@ -40,7 +40,7 @@ MUTANTS: tuple[Mutant, ...] = (
         # Full blocks keyed in this step are never marked: a hit EAGLE ends inside one is copied as zeros.
         "                False\n",
         ("tests/test_reliability_regressions.py::test_eagle_hit_inside_a_block_keyed_this_step_waits",),
-        ("0.26.0",),
+        ("0.27.1",),
     ),
     Mutant(
         "eagle-chunk-runs-past-the-block-end",

@@ -488,7 +488,7 @@ def test_async_admissions_no_longer_preempt_each_other_for_ever(plugin, adapter,
 # inside a Mamba block ran past the block's end, and the slot it left holding the earlier chunk's
 # state was cached as the block-end state. (seed, steps, byte-checked loads) of the fixed 0.26.0
 # run of `plugin-junction` (the junction checkpoint under EAGLE); every wheel runs the seed clean.
-EAGLE_GRID_SEED = (0, 10_002, 148)
+EAGLE_GRID_SEED = (0, 10_002, 272)
 
 
 def test_eagle_prompt_chunks_keep_the_mamba_grid(plugin, adapter, monkeypatch):
@@ -501,21 +501,21 @@ def test_eagle_prompt_chunks_keep_the_mamba_grid(plugin, adapter, monkeypatch):
     if not adapter.mamba_split_aligns_below_cache_limit_only:
         return
     assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
-    # The stop off (the plugin's code, not vLLM's): q67 resumes from a slot cached at 128 holding 80.
+    # The stop off (the plugin's code, not vLLM's): q168 resumes from a slot cached at 128 holding 112.
     monkeypatch.setattr(mamba_split_keeps_block_grid, "block_end_stop", lambda scheduler, request, start, end: None)
     _, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [
-        "step 619: q67: Mamba state (group 1) read at token 128: 1 wrong: block 34 holds group 1 content up to "
-        "token 80, expected group 1 content up to token 128"
+        "step 1633: q168: Mamba state (group 1) read at token 128: 1 wrong: block 10 holds group 1 content up to "
+        "token 112, expected group 1 content up to token 128"
     ]
 
 
 # A hit EAGLE ends inside a full attention block keyed by a chunk of the same step (local_hit_admission,
-# full-block marks): `plugin-junction` with 32-token attention blocks, seed 4. On 0.26.0 q75 computes
-# 128..208 and keys block 128..160 as it is scheduled; q76, admitted in that step, hits 160 less EAGLE's
-# unit: 144, a copy of that block made before the forward pass writes it. (seed, steps, byte-checked
-# loads) of the fixed 0.26.0 run; every wheel runs the seed clean.
-FULL_BLOCK_MARK_SEED = (4, 10_015, 385)
+# full-block marks): `plugin-junction` with 32-token attention blocks, seed 2. On 0.27.1 q70 is admitted
+# in the step whose chunk keys the block 96..128 it hits (128 less EAGLE's unit: 112), and its copy of
+# that block runs before the forward pass writes it. (seed, steps, byte-checked loads) of the fixed
+# 0.27.1 run; every wheel runs the seed clean (0.26.0 seeds 3 and 4 stopped the same way before).
+FULL_BLOCK_MARK_SEED = (2, 10_002, 308)
 
 
 def test_eagle_hit_inside_a_block_keyed_this_step_waits(plugin, adapter, monkeypatch):
@@ -526,13 +526,13 @@ def test_eagle_hit_inside_a_block_keyed_this_step_waits(plugin, adapter, monkeyp
     variant = dataclasses.replace(junction, name="plugin-junction-fa32", attention_block_size=32)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [] and counts.byte_violations == 0 and counts.steps >= 10_000
-    if adapter.version != "0.26.0":
+    if adapter.version != "0.27.1":
         return
     assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
-    # No engine marks full blocks (the plugin's code, not vLLM's): q76's copy reads zeros.
+    # No engine marks full blocks (the plugin's code, not vLLM's): q70's copy reads zeros.
     monkeypatch.setattr(scheduler_kind, "groups_hit_inside_full_blocks", lambda scheduler: frozenset())
     _, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [
-        "step 711: q76: attention (group 0) before tokens 144..160: 1 wrong: block 13 holds zeroed, "
-        "expected group 0 content up to token 144"
+        "step 889: q70: attention (group 0) before tokens 112..128: 1 wrong: block 17 holds zeroed, "
+        "expected group 0 content up to token 112"
     ]
