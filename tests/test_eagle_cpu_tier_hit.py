@@ -18,12 +18,12 @@ from __future__ import annotations
 import pytest
 
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME, STOCK_CONNECTOR_NAME
-from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN, SimEngine
+from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 from hybrid_kv_plugin.sim.geometry import HybridGeometry
 from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 
 from helpers import tokens
-from scenarios.offload import CONTINUATION, offload_engine
+from scenarios.offload import CONTINUATION, cpu_tier_hit, gpu_local_hit, offload_engine
 
 PROMPT = tokens(300)
 ANSWER = 30
@@ -43,11 +43,7 @@ def _geometry(adapter) -> HybridGeometry:
 @pytest.mark.parametrize("connector", [STOCK_CONNECTOR_NAME, CONNECTOR_NAME])
 def test_cpu_tier_hit_against_the_gpu_hit(plugin, adapter, connector):
     geometry = _geometry(adapter)
-    gpu = SimEngine(geometry, adapter=adapter)
-    gpu.run([("a", PROMPT)], max_tokens=ANSWER)
-    assert gpu.run([("b", REPLAY)])["b"] == GPU_HIT
+    assert gpu_local_hit(adapter, PROMPT, geometry=geometry, max_tokens=ANSWER, replay=REPLAY) == GPU_HIT
     run = offload_engine(adapter, connector, geometry=geometry)
-    run.request(PROMPT, max_tokens=ANSWER)
-    assert run.engine.reset_prefix_cache()
-    assert run.request(REPLAY) == CPU_HIT.get(adapter.version, GPU_HIT)
-    run.invariants.check()
+    hit = cpu_tier_hit(run, PROMPT, max_tokens=ANSWER, replay=REPLAY)
+    assert hit == CPU_HIT.get(adapter.version, GPU_HIT)

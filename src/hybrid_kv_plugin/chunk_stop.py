@@ -11,10 +11,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hybrid_kv_plugin.patching import ReadsFingerprint
+
+if TYPE_CHECKING:
+    from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 SPLIT_TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_split"
 SPLIT_PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
+
+
+
+def stock_split_fingerprint(adapter: VllmAdapter) -> ReadsFingerprint:
+    """The wheel's split as the plugin was written for it: the attributes it reads differ per
+    wheel, and any other set means its stops changed, so a stop added on top could contradict them."""
+    return ReadsFingerprint(params=SPLIT_PARAMS, exact=True, self_reads=adapter.junction_split_reads)
+
 
 # (scheduler, request, start, end) -> the position to end the chunk at, strictly inside
 # (start, end), or None to keep the wheel's chunk.

@@ -39,10 +39,16 @@ def note_scheduler(scheduler: Any) -> None:
         HIT_INSIDE_FULL_BLOCKS.pop(id(pool), None)
 
 
+def drafts_with_eagle(scheduler: Any) -> bool:
+    """Whether ``scheduler``'s engine drafts with an EAGLE-family method (EAGLE, EAGLE3, MTP, ...):
+    its prefix hits drop the drafter's last unit, and its split lowers the last cacheable block."""
+    return bool(getattr(scheduler, "use_eagle", False))
+
+
 def groups_hit_inside_full_blocks(scheduler: Any) -> frozenset[int]:
     """The attention groups of ``scheduler`` whose full blocks a prefix hit can end inside: under
     EAGLE (the drafter's last unit is recomputed), on blocks coarser than the prefix-match unit."""
-    if not getattr(scheduler, "use_eagle", False):
+    if not drafts_with_eagle(scheduler):
         return frozenset()
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 

@@ -58,9 +58,11 @@ def offload_engine(
 
 
 def cpu_tier_hit(
-    run: OffloadRun, prompt: Sequence[int], *, max_tokens: int = 4, warm: Sequence[Sequence[int]] = ()
+    run: OffloadRun, prompt: Sequence[int], *, max_tokens: int = 4, warm: Sequence[Sequence[int]] = (),
+    replay: Sequence[int] | None = None,
 ) -> int:
-    """Serve ``prompt``, evict the GPU prefix cache, then ``warm`` prompts, then prompt + 3 new tokens.
+    """Serve ``prompt``, evict the GPU prefix cache, then ``warm`` prompts, then ``replay`` (default:
+    prompt + 3 new tokens).
 
     The last request's hit can only come from the CPU tier (plus whatever ``warm``
     left in the GPU cache). Invariants are checked before returning.
@@ -69,14 +71,15 @@ def cpu_tier_hit(
     assert run.engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
     for earlier in warm:
         run.request(earlier)
-    hit = run.request([*prompt, *CONTINUATION])
+    hit = run.request([*prompt, *CONTINUATION] if replay is None else replay)
     run.invariants.check()
     return hit
 
 
 def gpu_local_hit(adapter: Any, prompt: Sequence[int], *, geometry: HybridGeometry | None = None,
-                  max_tokens: int = 4, configure: Callable[[Any], None] | None = None) -> int:
+                  max_tokens: int = 4, configure: Callable[[Any], None] | None = None,
+                  replay: Sequence[int] | None = None) -> int:
     """The same replay without a connector and without the reset: what the GPU cache alone serves."""
     engine = SimEngine(geometry or HybridGeometry(), adapter=adapter, configure=configure)
     engine.run([("a", prompt)], max_tokens=max_tokens)
-    return engine.run([("b", [*prompt, *CONTINUATION])])["b"]
+    return engine.run([("b", [*prompt, *CONTINUATION] if replay is None else replay)])["b"]

@@ -30,15 +30,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.adapters.capabilities import Feature
-from hybrid_kv_plugin.chunk_stop import SPLIT_PARAMS, SPLIT_TARGET, wrap_split
+from hybrid_kv_plugin.chunk_stop import SPLIT_TARGET, stock_split_fingerprint, wrap_split
 from hybrid_kv_plugin.junction import exact_junction_stop, junction_stop, plan_of
 from hybrid_kv_plugin.junction.coordinator import SCHEDULER_PLAN_ATTR
-from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.patching import Installs, PatchSpec
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
+TARGET = SPLIT_TARGET
 # Installed together with ``junction_coordinator``, wherever the junction checkpoint is backported.
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "mamba_shared_prefix_checkpoint"
@@ -51,9 +51,7 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
     return PatchSpec(
         name="junction_split",
         target=TARGET,
-        # The attributes the stock split reads differ per wheel; any other set means its
-        # stops changed and adding ours could contradict them.
-        fingerprint=ReadsFingerprint(params=PARAMS, exact=True, self_reads=adapter.junction_split_reads),
+        fingerprint=stock_split_fingerprint(adapter),
         build=lambda original: _wrap(original, adapter),
         why="end a prefill chunk at the exact shared-prefix junction (and the EAGLE prompt tail)",
         upstream="vLLM PR #53945",

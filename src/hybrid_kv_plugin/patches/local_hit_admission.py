@@ -158,10 +158,7 @@ def _wrap_mark(original: Any) -> Any:
         key = original(self, request, block, num_tokens, kv_cache_group_id, block_size, *args, **kwargs)
         computed = request.num_computed_tokens
         if key is not None and num_tokens > computed:
-            start = max(computed, num_tokens - num_tokens % block_size)
-            marks = _WRITTEN_FROM.setdefault(id(self), {})
-            if marks.get(block.block_id, start) >= start:
-                marks[block.block_id] = start
+            mark_written(self, block.block_id, max(computed, num_tokens - num_tokens % block_size))
         return key
 
     return cache_partial_block
@@ -182,19 +179,18 @@ def _wrap_mark_full(original: Any) -> Any:
                 entry is not None and entry[0]() is self and kv_cache_group_id in entry[1]
                 and num_full_blocks * block_size > computed
             ):
-                mark_written(self, blocks, max(num_cached_blocks, computed // block_size), num_full_blocks, block_size, computed)
+                for index in range(max(num_cached_blocks, computed // block_size), num_full_blocks):
+                    mark_written(self, blocks[index].block_id, max(computed, index * block_size))
 
     return cache_full_blocks
 
 
-def mark_written(pool: Any, blocks: Any, first: int, stop: int, block_size: int, computed: int) -> None:
-    """Mark ``blocks[first:stop]`` as written by this step's forward pass from ``max(computed, block start)``."""
+def mark_written(pool: Any, block_id: int, start: int) -> None:
+    """Mark block ``block_id`` of ``pool`` as written by this step's forward pass from position ``start``
+    (a block marked twice in a step keeps the earlier start)."""
     marks = _WRITTEN_FROM.setdefault(id(pool), {})
-    for index in range(first, stop):
-        block_id = blocks[index].block_id
-        start = max(computed, index * block_size)
-        if marks.get(block_id, start) >= start:
-            marks[block_id] = start
+    if marks.get(block_id, start) >= start:
+        marks[block_id] = start
 
 
 def unwritten_local_hit(kv_cache_manager: Any, hit_tokens: int, new_computed_blocks: Any, full_attention: type) -> bool:

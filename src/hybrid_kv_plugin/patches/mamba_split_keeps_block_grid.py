@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.chunk_stop import SPLIT_PARAMS, SPLIT_TARGET, wrap_split
-from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.chunk_stop import SPLIT_TARGET, stock_split_fingerprint, wrap_split
+from hybrid_kv_plugin.patching import Installs, PatchSpec
+from hybrid_kv_plugin.scheduler_kind import drafts_with_eagle
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-TARGET, PARAMS = SPLIT_TARGET, SPLIT_PARAMS
+TARGET = SPLIT_TARGET
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "vllm_fix"
 INSTALLS = Installs(
@@ -49,14 +50,13 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
     return PatchSpec(
         name="mamba_split_keeps_block_grid",
         target=TARGET,
-        # The stock split's reads: any other set means its stops changed under this patch.
-        fingerprint=ReadsFingerprint(params=PARAMS, exact=True, self_reads=adapter.junction_split_reads),
+        fingerprint=stock_split_fingerprint(adapter),
         build=lambda original: wrap_split(original, _stop),
         why="a prefill chunk ending mid-block above EAGLE's resume limit leaves a state its slot is later cached as",
         upstream="vLLM PR #51113 (0.27.0)",
         # Without an EAGLE-family drafter the wheel's limit is the prompt's last block end, above
         # which no block end remains to cross: the stop never fires, so such an engine skips it.
-        inert_for=lambda scheduler, _: not getattr(scheduler, "use_eagle", False),
+        inert_for=lambda scheduler, _: not drafts_with_eagle(scheduler),
     )
 
 
