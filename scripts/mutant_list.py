@@ -34,6 +34,29 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "byte-model-keeps-the-draft-lead-after-a-gap",
+        "sim/byte_cache.py",
+        "            rewind = self.drafts.get(req_id, 0) + self.undelivered_drafts.get(req_id, 0) - undelivered\n",
+        # The simulator's runner as it was: after a step without the request, its start (the scheduler's
+        # own, which the runner leaves as it is) reads as a rewind past its rejected drafts.
+        "            rewind = self.drafts.get(req_id, 0)\n",
+        ("tests/test_byte_cache.py::test_a_step_without_the_request_ends_the_draft_lead",),
+        ("0.30.0",),
+    ),
+    Mutant(
+        "junction-state-missing-from-load-reservation",
+        "patches/junction_reservation.py",
+        "        return reserved + reservation_owed_blocks(self.kv_cache_manager, self._inflight_prefills)\n",
+        # Scheduler's reservation as the wheel counts it: an async load takes the block a running
+        # prefill's junction state is copied into, and the prefill preempts itself for ever.
+        "        return reserved\n",
+        (
+            "tests/test_shared_prefix_checkpoint.py::test_async_load_reservation_counts_the_block_the_lowered_tail_keeps",
+            "tests/test_reliability_regressions.py::test_junction_state_is_reserved_against_async_loads",
+        ),
+        ("0.28.0",),
+    ),
+    Mutant(
         "eagle-full-block-hit-copies-unwritten-block",
         "patches/local_hit_admission.py",
         "                entry is not None and entry[0]() is self and kv_cache_group_id in entry[1]\n",

@@ -273,3 +273,31 @@ def test_without_the_draft_model_the_check_sees_a_token_ahead(adapter, schedulin
         f"step {step}: agent0-root: Mamba state (group 1) read at token 450: 1 wrong: " in str(failure.value)
         and "holds group 1 content up to token 451, expected group 1 content up to token 450" in str(failure.value)
     )
+
+
+# After a step without the request, its next chunk starts where the scheduler says: the runner takes
+# rejected drafts off a start only while the request's previous batch is undelivered. `plugin-junction`
+# (the soak's EAGLE variant) under AsyncScheduler, seed 1 (steps, byte-checked loads on 0.30.0): step 178
+# schedules nothing, and q16, which wrote 126..128 at step 177 in the scheduler's positions (a draft
+# ahead of the runner's own), starts again at 126. Every wheel runs the seed clean.
+ASYNC_EAGLE_GAP_SEED = (1, 10_001, 173)
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_a_step_without_the_request_ends_the_draft_lead(plugin, adapter, scheduling, monkeypatch):
+    from hybrid_kv_plugin.sim.byte_cache import ByteCache
+    from soak.harness import soak, soak_pinned, variants
+
+    variant = next(v for v in variants(adapter) if v.name == "plugin-junction")
+    if not soak_pinned(adapter, variant, ASYNC_EAGLE_GAP_SEED, adapter.version == "0.30.0"):
+        return
+    seed = ASYNC_EAGLE_GAP_SEED[0]
+    # The byte model as it was (the simulator's code, not vLLM's): the rewind after the gap looks two deep.
+    monkeypatch.setattr(ByteCache, "_undelivered_drafts", lambda self, req_id: 0)
+    _, _, violations = soak(adapter, variant, 10_000, seed)
+    assert violations[:2] == [
+        "step 179: q16: attention (group 0) before tokens 126..128: 1 wrong: block 30 holds group 0 content up to "
+        "token 128, expected group 0 content up to token 126",
+        "step 179: q16: Mamba state (group 1) read at token 126: 1 wrong: block 24 holds group 1 content up to "
+        "token 128, expected group 1 content up to token 126",
+    ]

@@ -89,7 +89,7 @@ def test_switch_selects_backport_or_native(plugin, make_engine, adapter):
     installed = sorted(spec.name for spec in plugin.patch_set.specs if spec.name.startswith("junction_"))
     if adapter.version in BACKPORT_WHEELS:
         assert adapter.verdict(Feature.MAMBA_SHARED_PREFIX_CHECKPOINT).support is Support.BACKPORT
-        assert installed == ["junction_coordinator", "junction_split"]
+        assert installed == ["junction_coordinator", "junction_reservation", "junction_split"]
         assert (type(coordinator).__name__, managers) == (
             "JunctionHybridKVCacheCoordinator",
             ["FullAttentionManager", "JunctionMambaManager"],
@@ -206,6 +206,42 @@ def test_admission_counts_the_block_the_lowered_tail_keeps(plugin, make_engine, 
 
     expected = EAGLE_TAIL_ADMISSION[scheduling] if adapter.version in BACKPORT_WHEELS else NATIVE_EAGLE_TAIL_ADMISSION
     assert (admission_counts(SWITCH_OFF), admission_counts(SWITCH_ON)) == expected
+
+
+# The async-load reservation while the sibling of scenario B, with a 48-token suffix, prefills 16
+# tokens a step: (its computed tokens, the wheel's sum of _request_remaining_blocks, the reservation
+# vLLM admits an async load against) after each step it is still prefilling. Its lowered tail (84)
+# keeps a state the next chunk copies into a new block: one block more until the prefill passes it.
+# The backport adds that block to each request's count under AsyncScheduler, to the reservation
+# under Scheduler (patches/junction_reservation.py): the same reservation under both. 0.30+ count
+# natively (0.31 in each request's count; 0.30, 0.32 and 0.33 not at 80, below the tail).
+RESERVATION = {
+    "sync": [(48, 3, 4), (64, 2, 3), (80, 1, 2), (84, 2, 2)],
+    "async": [(48, 4, 4), (64, 3, 3), (80, 2, 2), (84, 2, 2)],
+}
+NATIVE_RESERVATION = {
+    "0.30.0": [(48, 3, 3), (64, 2, 2), (80, 1, 1), (84, 2, 2)],
+    "0.31.0": [(48, 4, 4), (64, 3, 3), (80, 2, 2), (84, 2, 2)],
+    "0.32.0": [(48, 3, 3), (64, 2, 2), (80, 1, 1), (84, 1, 1)],
+    "0.33.0": [(48, 3, 3), (64, 2, 2), (80, 1, 1), (84, 1, 1)],
+}
+
+
+@pytest.mark.both_schedulers
+def test_async_load_reservation_counts_the_block_the_lowered_tail_keeps(plugin, make_engine, adapter, scheduling):
+    engine = make_engine(geometry(max_num_batched_tokens=16, max_num_seqs=4), additional_config=SWITCH_ON)
+    scheduler = engine.scheduler
+    engine.run([("producer", PREFIX[:40])])
+    sibling = engine.add_request("sibling", PREFIX[:40] + suffix(3, 48))
+    seen = []
+    while engine.has_work():
+        engine.step()
+        if sibling in scheduler._inflight_prefills:
+            stock = sum(map(scheduler._request_remaining_blocks, scheduler._inflight_prefills))
+            seen.append((sibling.num_computed_tokens, stock, scheduler._inflight_prefill_reserved_blocks()))
+    assert engine.outcomes["sibling"].hit_tokens == 36
+    expected = RESERVATION[scheduling] if adapter.version in BACKPORT_WHEELS else NATIVE_RESERVATION[adapter.version]
+    assert seen == expected
 
 
 # exact replay's hit (switch off, switch on) under retention 0, per wheel.

@@ -401,6 +401,23 @@ def soak(
     return harness.counts, harness.invariants.checks, harness.violations
 
 
+def soak_clean(adapter: Any, variant: Variant, seed: int, steps: int = 10_000) -> Counts:
+    """A soak that must report nothing (no violation, byte check clean, every step run); its counts."""
+    counts, _, violations = soak(adapter, variant, steps, seed)
+    assert violations == [] and counts.byte_violations == 0 and counts.steps >= steps, violations[:3]
+    return counts
+
+
+def soak_pinned(adapter: Any, variant: Variant, pin: tuple[int, int, int], pinned_here: bool) -> bool:
+    """Run ``pin``'s seed (seed, steps, byte-checked loads) clean; where ``pinned_here``, also to exactly
+    those figures. Returns ``pinned_here`` (a regression test ablates its fix only there)."""
+    seed, steps, checked_loads = pin
+    counts = soak_clean(adapter, variant, seed)
+    if pinned_here:
+        assert (counts.steps, counts.byte_checked_loads) == (steps, checked_loads)
+    return pinned_here
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="engine steps per variant (default 10000)")

@@ -12,7 +12,9 @@ method is the stock one: the class only adds behaviour behind ``junction_enabled
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Iterable, Mapping
+from itertools import compress
 from types import MappingProxyType, MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,10 @@ from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
+
+_computed = operator.attrgetter("num_computed_tokens")
+_junction = operator.attrgetter("shared_prefix_boundary")
+
 
 def junction_manager_class(stock: type, adapter: VllmAdapter) -> type:
     """The subclass of ``stock`` (the wheel's ``MambaManager``) for this wheel."""
@@ -182,6 +188,32 @@ def _admission_count_method(stock: type, next_method: Any) -> Any:
 
     get_num_blocks_to_allocate.falls_through_to = next_method  # type: ignore[attr-defined]
     return get_num_blocks_to_allocate
+
+
+def owes_junction_blocks(kv_cache_manager: Any) -> bool:
+    """Whether any of ``kv_cache_manager``'s groups is an enabled junction manager (fixed once its plan is bound)."""
+    return any(getattr(m, "junction_enabled", False) for m in kv_cache_manager.coordinator.single_type_managers)
+
+
+def reservation_owed_blocks(kv_cache_manager: Any, requests: Iterable[Any]) -> int:
+    """Blocks the junction states inside ``requests``' remaining prompts keep, over every enabled junction manager.
+
+    What the admission count adds under ``AsyncScheduler`` (:func:`_admission_count_method`), asked
+    once per reservation sum instead (patches/junction_reservation.py). Without a lowered tail only
+    requests still below their junction can owe: they are picked out in C (most are past it).
+    """
+    requests = list(requests)
+    owed = 0
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        if not getattr(manager, "junction_enabled", False):
+            continue
+        candidates = (
+            requests
+            if manager.lowers_prompt_tail
+            else compress(requests, map(operator.lt, map(_computed, requests), map(_junction, requests)))
+        )
+        owed += sum(manager._junction_block_owed(r.request_id, r.num_computed_tokens) for r in candidates)
+    return owed
 
 
 def is_junction_manager(manager: Any) -> bool:

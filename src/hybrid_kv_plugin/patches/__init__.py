@@ -35,6 +35,7 @@ from hybrid_kv_plugin.patches import (
     divergence_bind,
     finish_store_pinning,
     junction_coordinator,
+    junction_reservation,
     junction_split,
     local_hit_admission,
     mamba_allocated_mark,
@@ -73,7 +74,8 @@ if TYPE_CHECKING:
 # divergence_bind wraps both; output_checkpoint_manager wraps prompt_tail_manager, which wraps
 # prompt_tail_keyed_once;
 # divergence_attention_keys wraps prompt_tail_attention; admission_reserves_running_prefills wraps
-# local_hit_admission's allocate_slots, outermost so that an engine it is inert for binds past it),
+# local_hit_admission's allocate_slots, outermost so that an engine it is inert for binds past it;
+# junction_reservation wraps async_load_landing_reservation),
 # and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
@@ -104,6 +106,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     offload_has_connector,
     async_load_liveness,
     async_load_landing_reservation,
+    junction_reservation,
     same_step_copy_chains,
     local_hit_admission,
     admission_reserves_running_prefills,

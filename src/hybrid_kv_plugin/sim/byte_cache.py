@@ -251,6 +251,8 @@ class ByteCache:
         self.next_position: dict[str, int] = {}
         # Draft tokens each request's last chunk scheduled (speculative decoding).
         self.drafts: dict[str, int] = {}
+        # Drafts of a request's earlier chunks still undelivered when its last chunk was scheduled.
+        self.undelivered_drafts: dict[str, int] = {}
         self.transfers: dict[tuple[str, int], _Transfer] = {}
         self.violations: list[str] = []
         self.stats = ByteStats()
@@ -358,15 +360,23 @@ class ByteCache:
                 continue
             self.stats.chunks += 1
             written = self.next_position.get(req_id)
+            # Under AsyncScheduler a chunk is scheduled before the request's previous one is delivered:
+            # the scheduler counts that chunk's drafts as computed and the runner takes the rejected
+            # ones back off the start. The model keeps the scheduler's positions, so a change of that
+            # lead (a step without the request, whose next start the runner leaves as it is) widens
+            # the rewind by it.
+            undelivered = self._undelivered_drafts(req_id) if self.engine.in_flight else 0
+            rewind = self.drafts.get(req_id, 0) + self.undelivered_drafts.get(req_id, 0) - undelivered
             if (
                 written is not None
-                and 0 < written - start <= self.drafts.get(req_id, 0)
+                and 0 < written - start <= rewind
                 and req_id not in new
                 and req_id not in cached.resumed_req_ids
             ):
                 self._reject_drafts(req_id, table, start, h)
                 written = start
             self.drafts[req_id] = len(drafts.get(req_id, ()))
+            self.undelivered_drafts[req_id] = undelivered
             fresh = written != start
             if fresh and start > 0:
                 self.stats.fresh_hits += 1
@@ -377,6 +387,10 @@ class ByteCache:
             for group, block_size in self.mamba:
                 self._mamba(req_id, table[group], group, block_size, start, num_tokens, h, fresh, prev_state)
             self.next_position[req_id] = start + num_tokens
+
+    def _undelivered_drafts(self, req_id: str) -> int:
+        """Draft tokens of ``req_id``'s chunks in batches the scheduler has not received yet."""
+        return sum(len(out.scheduled_spec_decode_tokens.get(req_id, ())) for out, _ in self.engine.undelivered)
 
     def _reject_drafts(self, req_id: str, table: list[list[int]], start: int, h: np.ndarray) -> None:
         """The runner's view after rejected drafts: the partly filled slot and the state end at ``start``."""
@@ -454,7 +468,8 @@ class ByteCache:
         gpu[table[curr]] = make_tag(h, start + num, group)
 
     def _forget(self, req_id: str) -> None:
-        for table in (self.tables, self.mamba_state_idx, self.next_position, self.drafts, self.prefixes):
+        for table in (self.tables, self.mamba_state_idx, self.next_position, self.drafts, self.undelivered_drafts,
+                      self.prefixes):
             table.pop(req_id, None)
 
     # ------------------------------------------------------------------ SimpleCPU transfers

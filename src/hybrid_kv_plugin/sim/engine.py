@@ -230,6 +230,11 @@ class SimEngine:
         """Batches executed whose output the scheduler has not received yet (0 without async)."""
         return len(self._in_flight)
 
+    @property
+    def undelivered(self) -> tuple[tuple[Any, Any], ...]:
+        """(scheduler output, runner output) of those batches, oldest first."""
+        return tuple(self._in_flight)
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepRecord:
         """One engine-core step: schedule and execute, then deliver an output if one is due."""
