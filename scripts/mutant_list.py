@@ -34,6 +34,15 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "full-block-marks-bound-past-everywhere",
+        "patches/local_hit_admission.py",
+        "            inert_for=lambda _, scheduler: not groups_hit_inside_full_blocks(scheduler),\n",
+        # Every engine's GPU pool bound past the full-block marks, EAGLE engines with coarse blocks too.
+        "            inert_for=lambda _, scheduler: True,\n",
+        ("tests/test_inert_patches.py::test_full_block_marks_only_where_a_hit_can_end_inside_one",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "byte-model-keeps-the-draft-lead-after-a-gap",
         "sim/byte_cache.py",
         "            rewind = self.drafts.get(req_id, 0) + self.undelivered_drafts.get(req_id, 0) - undelivered\n",

@@ -340,3 +340,18 @@ def test_plugin_keeps_attributes_inline_where_stock_does(adapter):
     # The objects this checks are mostly inline on stock vLLM (the bigger Mamba managers and the
     # offload scheduler of 0.30+ hold more than 30 attributes and are not): the check can fail.
     assert sum(stock.values()) >= 7, stock
+
+
+# The full-block marks of local_hit_admission, on the engine's GPU pool: only where a hit can end inside
+# a full attention block (an EAGLE-family drafter drops one unit, blocks coarser than the unit of 16).
+@pytest.mark.parametrize(
+    ("attention_block", "eagle", "enters"),
+    [(16, True, "stock"), (32, False, "stock"), (32, True, "local_hit_admission.mark_full")],
+)
+def test_full_block_marks_only_where_a_hit_can_end_inside_one(plugin, make_engine, attention_block, eagle, enters):
+    from vllm.v1.core.block_pool import BlockPool
+
+    geometry = HybridGeometry(attention_block_size=attention_block, mamba_block_size=64, hash_block_size=16, eagle=eagle)
+    pool = make_engine(geometry).scheduler.kv_cache_manager.block_pool
+    func = pool.cache_full_blocks.__func__  # an attribute read: the pool's storage stays as it is
+    assert ("stock" if func is inspect.unwrap(BlockPool.cache_full_blocks) else getattr(func, PATCH_MARKER, "other")) == enters

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
-from hybrid_kv_plugin.scheduler_kind import HIT_INSIDE_FULL_BLOCKS
+from hybrid_kv_plugin.scheduler_kind import HIT_INSIDE_FULL_BLOCKS, groups_hit_inside_full_blocks
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -118,6 +118,10 @@ def specs(adapter: VllmAdapter) -> list[PatchSpec]:
                 params=("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id")
             ),
             build=_wrap_mark_full,
+            # Bound past on the GPU pool of every engine whose hits cannot end inside a full block
+            # (no EAGLE-family drafter, or attention blocks no coarser than the unit): a call per
+            # group per request per step that would only pass through.
+            inert_for=lambda _, scheduler: not groups_hit_inside_full_blocks(scheduler),
             **common,
         ),
         PatchSpec(
@@ -248,6 +252,7 @@ def _wrap_admit(original: Any) -> Any:
         # Most calls find no block marked this step (one dict test) or carry no new hit.
         if (
             _WRITTEN_FROM
+            and num_new_computed_tokens  # a new local hit (none: no copy to read early)
             and new_computed_blocks is not None
             and unwritten_local_hit(
                 self, request.num_computed_tokens + num_new_computed_tokens, new_computed_blocks, FullAttentionManager
