@@ -26,7 +26,7 @@ SPLIT_PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tok
 def stock_split_fingerprint(adapter: VllmAdapter) -> ReadsFingerprint:
     """The wheel's split as the plugin was written for it: the attributes it reads differ per
     wheel, and any other set means its stops changed, so a stop added on top could contradict them."""
-    return ReadsFingerprint(params=SPLIT_PARAMS, exact=True, self_reads=adapter.junction_split_reads)
+    return ReadsFingerprint(params=SPLIT_PARAMS, exact=True, self_reads=adapter.mamba_split_reads)
 
 
 # (scheduler, request, start, end) -> the position to end the chunk at, strictly inside

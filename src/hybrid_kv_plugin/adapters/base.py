@@ -57,8 +57,9 @@ class VllmAdapter:
     divergence_checkpoint_supported: ClassVar[bool] = False
     # The Scheduler's EAGLE block-drop bit (0.30 split it from ``use_eagle``).
     scheduler_eagle_drop_attr: ClassVar[str] = "use_eagle"
-    # Exactly the ``self.`` attributes the stock Scheduler._mamba_block_aligned_split reads.
-    junction_split_reads: ClassVar[frozenset[str]] = frozenset(
+    # Exactly the ``self.`` attributes the stock Scheduler._mamba_block_aligned_split reads (the
+    # fingerprint of every patch that adds a stop to it: chunk_stop.stock_split_fingerprint).
+    mamba_split_reads: ClassVar[frozenset[str]] = frozenset(
         {"cache_config", "hash_block_size", "mamba_partial_cache_hit", "use_eagle"}
     )
     # Exactly the ``self.`` attributes the stock MambaManager._cache_partial_tail_block touches,

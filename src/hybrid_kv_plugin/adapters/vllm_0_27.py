@@ -9,7 +9,7 @@ class Vllm027Adapter(Vllm026Adapter):
     has_native_nixl_ssm_clip = True
     # The Mamba split caps prefill chunks by the scheduler budget; the partial-tail
     # checkpoint records its producer request (for connector hand-off).
-    junction_split_reads = Vllm026Adapter.junction_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
+    mamba_split_reads = Vllm026Adapter.mamba_split_reads | {"max_num_scheduled_tokens", "scheduler_config"}
     mamba_partial_tail_reads = Vllm026Adapter.mamba_partial_tail_reads | {"_producer_partial_tail_reqs"}
     mamba_tracks_partial_tail_producers = True
     # Its local-hit trim asserts every group covers the prefix, Mamba included.

@@ -18,7 +18,7 @@ class Vllm029Adapter(Vllm028Adapter):
     simplecpu_worker_submits_without_forward = False
     first_waiting_queue_attr = "skipped_waiting"
     # The Mamba split knows internal prefill checkpoint blocks.
-    junction_split_reads = Vllm028Adapter.junction_split_reads | {"mamba_has_prefill_checkpoint_blocks"}
+    mamba_split_reads = Vllm028Adapter.mamba_split_reads | {"mamba_has_prefill_checkpoint_blocks"}
     # HybridSimpleCPUConnector backports fine-grained CPU hits on this wheel
     # (hybrid_kv_plugin.offload; a SimpleCPUOffloadScheduler subclass, no vLLM patch).
     backports_shipped = Vllm028Adapter.backports_shipped | {Feature.FINE_GRAINED_CPU_HITS}
