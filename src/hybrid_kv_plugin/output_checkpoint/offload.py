@@ -19,7 +19,9 @@ from hybrid_kv_plugin.output_checkpoint.rolling import REQUEST_ATTR
 
 def last_answer_position(request: Any) -> int | None:
     """The newest answer position whose Mamba state the option kept for ``request``, if any."""
-    groups = getattr(request, REQUEST_ATTR, None) or {}
+    groups = getattr(request, REQUEST_ATTR, None)
+    if not groups:  # asked at every request's finish: most kept none (or the option is off)
+        return None
     return max((state.position for states in groups.values() for state in states), default=None)
 
 
