@@ -22,7 +22,6 @@ SPLIT_TARGET = "vllm.v1.core.sched.scheduler:Scheduler._mamba_block_aligned_spli
 SPLIT_PARAMS = ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")
 
 
-
 def stock_split_fingerprint(adapter: VllmAdapter) -> ReadsFingerprint:
     """The wheel's split as the plugin was written for it: the attributes it reads differ per
     wheel, and any other set means its stops changed, so a stop added on top could contradict them."""
