@@ -34,6 +34,15 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "liveness-bound-past-with-the-switch-on",
+        "patches/async_load_liveness.py",
+        "        inert_for=lambda scheduler, _: not keeps_async_loads_live(scheduler),\n",
+        # Every scheduler bound past the async-load liveness fix, with its switch on too.
+        "        inert_for=lambda scheduler, _: True,\n",
+        ("tests/test_inert_patches.py::test_liveness_switch_is_read_at_start_up",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "full-block-marks-bound-past-everywhere",
         "patches/local_hit_admission.py",
         "            inert_for=lambda _, scheduler: not groups_hit_inside_full_blocks(scheduler),\n",
@@ -605,7 +614,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "declined-cpu-hit-left-to-the-wheel",
         "connector/simple_cpu.py",
-        "            self.hybrid_kv_adapter.release_declined_cpu_hit(self.scheduler_manager, request.request_id)\n",
+        "            self.hybrid_kv_adapter.release_declined_cpu_hit(manager, request.request_id)\n",
         "            pass\n",
         # The wheel then unpins the declined CPU hit itself, with a warning per request
         # (252 of the first 300 conversation requests under mamba_divergence_checkpoint).

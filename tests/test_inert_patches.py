@@ -152,6 +152,24 @@ def past_the_count_fix(adapter, under_async: bool = False, manager: str = "Mamba
 
 
 @pytest.mark.both_schedulers
+@pytest.mark.parametrize("liveness", [True, False], ids=["liveness-on", "liveness-off"])
+def test_liveness_switch_is_read_at_start_up(plugin, make_engine, adapter, liveness):
+    """``async_load_liveness`` off binds the scheduler's step past its patch at start-up; on, the
+    patch runs every step (and no longer reads the switch there)."""
+    engine = make_engine(_geometry(), additional_config={"hybrid_kv": {"async_load_liveness": liveness}})
+    scheduler = engine.scheduler
+    bound = scheduler.__dict__.get("schedule")
+    if adapter.first_waiting_queue_attr is None:  # 0.26-0.28 reserve no async loads: no patch, no binding
+        assert (bound, getattr(type(scheduler).schedule, PATCH_MARKER, None)) == (None, None)
+        return
+    assert getattr(type(scheduler).schedule, PATCH_MARKER) == "async_load_liveness"
+    if liveness:
+        assert bound is None
+    else:
+        assert bound.__func__ is inspect.unwrap(type(scheduler).schedule)
+
+
+@pytest.mark.both_schedulers
 def test_options_off_bind_the_wheels_own_methods(plugin, make_engine, adapter, scheduling):
     engine = make_engine(_geometry())
     expected: dict[str, str] = {}

@@ -32,8 +32,9 @@ from hybrid_kv_plugin.scheduler_kind import note_scheduler
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-# Patched methods that run per request per step (the second: per async admission), with a per-engine option.
-SCHEDULER_METHODS = ("_mamba_block_aligned_split", "_inflight_prefill_reserved_blocks")
+# Patched methods that run per request per step (the second: per async admission; the third: per
+# step), with a per-engine option.
+SCHEDULER_METHODS = ("_mamba_block_aligned_split", "_inflight_prefill_reserved_blocks", "schedule")
 # Patched Mamba-manager methods that run per group per step (cache_blocks calls the second; the
 # scheduler's block counts call the third).
 MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block", "get_num_blocks_to_allocate")

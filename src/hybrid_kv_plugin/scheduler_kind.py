@@ -78,12 +78,13 @@ def reserves_running_prefills(scheduler: Any) -> bool:
     defers too under pipeline parallelism; the plugin's tests drive no such engine, so it
     keeps vLLM's rule there.
     """
+    return outputs_arrive_late(scheduler) and frees_deferred(scheduler) and keeps_async_loads_live(scheduler)
+
+
+def keeps_async_loads_live(scheduler: Any) -> bool:
+    """Whether the plugin's ``async_load_liveness`` switch is on for ``scheduler`` (on where it has no plugin config)."""
     config = getattr(scheduler, "hybrid_kv_config", None)
-    return (
-        outputs_arrive_late(scheduler)
-        and frees_deferred(scheduler)
-        and (config is None or config.async_load_liveness)
-    )
+    return config is None or config.async_load_liveness
 
 
 def reserving_scheduler_of(kv_cache_manager: Any) -> Any:

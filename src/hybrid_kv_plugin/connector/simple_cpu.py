@@ -61,6 +61,9 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         self.request_end_admission = attach_request_end_admission(self, kv_cache_config, attention_tail_boundary)
         # Set by the divergence option's binding (divergence/cpu_tier.py); None: not tracked.
         self.cpu_tier_reach: Any = None
+        if self._native_metrics:
+            # Asked every step, and the wheel's own answer is the whole answer (0.31+).
+            self.get_kv_connector_stats = super().get_kv_connector_stats  # type: ignore[method-assign]
 
     def track_cpu_tier_divergence(self) -> None:
         """Let CPU-tier lookups set a request's divergence point (``mamba_divergence_checkpoint``)."""
@@ -108,20 +111,23 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return result
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        if self.request_end_admission is not None:
+        admission = self.request_end_admission
+        if admission is not None:
             # First: the eviction order must not see a declined state as a request's deepest.
-            self.request_end_admission.filter_step(scheduler_output)
+            admission.filter_step(scheduler_output)
         if self.cpu_tier_policy is not None:
             gpu_pool = self.hybrid_kv_adapter.offload_gpu_block_pool(self.scheduler_manager)
             self.cpu_tier_policy.observe_step(scheduler_output, gpu_pool)
         return super().build_connector_meta(scheduler_output)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens == 0 and self.scheduler_manager is not None:
+        manager = self.scheduler_manager
+        if num_external_tokens == 0 and manager is not None and request.request_id in manager._pending_cpu_hits:
             # The scheduler kept a local hit at least as long (a sub-block tail: the plugin's
             # divergence and answer states make these common) and declined the CPU hit the
-            # lookup pinned; the wheel would unpin it with a warning per request.
-            self.hybrid_kv_adapter.release_declined_cpu_hit(self.scheduler_manager, request.request_id)
+            # lookup pinned; the wheel would unpin it with a warning per request. (Most
+            # requests pinned nothing: tested here, once per allocation.)
+            self.hybrid_kv_adapter.release_declined_cpu_hit(manager, request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def has_pending_push_work(self) -> bool:
@@ -177,7 +183,7 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         return {label: now[label] - reported[label] for label in OUTCOME_LABELS if now[label] > reported[label]}
 
     def get_kv_connector_stats(self) -> Any:
-        if self._native_metrics:
+        if self._native_metrics:  # bound past in __init__; kept for a call through the class
             return super().get_kv_connector_stats()
         backport = self._backport_scheduler
         if backport is not None:

@@ -37,11 +37,13 @@ class CpuTierReach:
     def __init__(self, coordinator: Any) -> None:
         self._find = coordinator.find_longest_cache_hit
         coordinator.find_longest_cache_hit = self._find_longest_cache_hit
-        self._last: tuple[int, int] | None = None  # (combined hit, attention tokens past it)
+        # The last lookup's result (blocks, combined hit, attention tokens past it), kept only
+        # when the attention reached past the hit (None otherwise, as for most lookups).
+        self._last: Any = None
 
     def _find_longest_cache_hit(self, block_hashes: Any, max_cache_hit_length: int) -> Any:
         result = self._find(block_hashes, max_cache_hit_length)
-        self._last = (result[1], result[2])
+        self._last = result if result[2] > 0 else None
         return result
 
     def begin(self) -> None:
@@ -55,10 +57,7 @@ class CpuTierReach:
         last, self._last = self._last, None
         if last is None:
             return
-        hit, reach = last
-        if reach <= 0:
-            return
-        point = num_computed_tokens + hit + reach
+        point = num_computed_tokens + last[1] + last[2]
         if point > request.shared_prefix_boundary and point < request.num_prompt_tokens:
             request.shared_prefix_boundary = point
 

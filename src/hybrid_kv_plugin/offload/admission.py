@@ -193,8 +193,9 @@ class RequestEndAdmission:
         the SimpleCPU scheduler side reads them from there next)."""
         if self.declined_this_step:  # runs every step: no new set unless the last step declined some
             self.declined_this_step = set()
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        handoffs = block_state.boundary_state_offloads if block_state is not None else None
+        # A field of the output on 0.29+; set for the connector's call on 0.26-0.28 (boundary_handoff_publish).
+        block_state = scheduler_output.kv_connector_block_state
+        handoffs = None if block_state is None else block_state.boundary_state_offloads
         if not handoffs or self.takes_request_ends():
             return
         tracked = self.manager._reqs_to_store

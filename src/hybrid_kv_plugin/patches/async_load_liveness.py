@@ -40,9 +40,12 @@ reservation); to be removed from the first wheel whose soak runs stay live witho
 from __future__ import annotations
 
 import functools
+import operator
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -52,6 +55,7 @@ TARGET = "vllm.v1.core.sched.scheduler:Scheduler.schedule"
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "async_load_liveness"
 INSTALLS = Installs(when=lambda adapter: adapter.first_waiting_queue_attr is not None, since="0.29.0")
+_computed = operator.attrgetter("num_computed_tokens")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -67,6 +71,8 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
             at_least=True,
         ),
         build=lambda original: _wrap(original, adapter),
+        # The switch is read once, at the scheduler's start: bound past where it is off.
+        inert_for=lambda scheduler, _: not keeps_async_loads_live(scheduler),
         why="a failed async KV load leaves a stale in-flight reservation that deadlocks the waiting scan",
         upstream="vllm#45388 (report), vllm#57841 (open fix for the queue order)",
     )
@@ -78,12 +84,10 @@ def _wrap(original: Any, adapter: VllmAdapter) -> Any:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         # The usual step: nothing in flight and at most one request in the first queue,
-        # where both steps below are no-ops; only then is the switch read.
+        # where both steps below are no-ops. (With the switch off the scheduler is bound past this.)
         if self._inflight_prefills or len(getattr(self, queue_attr)) > 1:
-            config = getattr(self, "hybrid_kv_config", None)
-            if config is None or config.async_load_liveness:
-                release_stale_reservations(self, adapter)
-                put_block_holders_first(self, adapter)
+            release_stale_reservations(self, adapter)
+            put_block_holders_first(self, adapter)
         if args or kwargs:
             return original(self, *args, **kwargs)
         return original(self)  # a plain call: no argument tuple and dict to build
@@ -96,12 +100,10 @@ def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> None:
     inflight = scheduler._inflight_prefills
     if not inflight:  # the usual step (runs before every schedule)
         return
-    # A request with computed tokens holds their blocks; only a failed load resets them to 0.
-    stale = [
-        r
-        for r in inflight
-        if r.num_computed_tokens == 0 and not adapter.request_holds_kv_blocks(scheduler, r.request_id)
-    ]
+    # A request with computed tokens holds their blocks; only a failed load resets them to 0
+    # (picked out in C: most in-flight prefills are running chunks).
+    unstarted = compress(inflight, map(operator.not_, map(_computed, inflight)))
+    stale = [r for r in unstarted if not adapter.request_holds_kv_blocks(scheduler, r.request_id)]
     for request in stale:
         inflight.discard(request)
 

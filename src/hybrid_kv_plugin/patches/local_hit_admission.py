@@ -156,13 +156,17 @@ def unwritten_hit(block: Any, hit_tokens: int, block_size: int, pool: Any) -> bo
 def _wrap_mark(original: Any) -> Any:
     @functools.wraps(original)
     def cache_partial_block(
-        self: Any, request: Any, block: Any, num_tokens: int, kv_cache_group_id: int, block_size: int,
-        *args: Any, **kwargs: Any,
+        self: Any, request: Any, block: Any, num_tokens: int, kv_cache_group_id: int, block_size: int, **kwargs: Any
     ) -> Any:
-        key = original(self, request, block, num_tokens, kv_cache_group_id, block_size, *args, **kwargs)
+        # Every wheel passes the parameters after ``block_size`` (0.30+: one) by keyword.
+        key = original(self, request, block, num_tokens, kv_cache_group_id, block_size, **kwargs)
         computed = request.num_computed_tokens
         if key is not None and num_tokens > computed:
-            mark_written(self, block.block_id, max(computed, num_tokens - num_tokens % block_size))
+            # mark_written inlined: about one call in two steps, on every engine.
+            start = max(computed, num_tokens - num_tokens % block_size)
+            marks = _WRITTEN_FROM.setdefault(id(self), {})
+            if marks.get(block.block_id, start) >= start:
+                marks[block.block_id] = start
         return key
 
     return cache_partial_block
@@ -246,8 +250,7 @@ def _wrap_admit(original: Any) -> Any:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Any = None,
-        *args: Any,
-        **kwargs: Any,
+        **kwargs: Any,  # every wheel passes the parameters after new_computed_blocks by keyword
     ) -> Any:
         # Most calls find no block marked this step (one dict test) or carry no new hit.
         if (
@@ -259,7 +262,7 @@ def _wrap_admit(original: Any) -> Any:
             )
         ):
             return None  # not this step: the scheduler tries again next step
-        blocks = original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, *args, **kwargs)
+        blocks = original(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, **kwargs)
         if blocks is None:
             if num_new_computed_tokens and pool_is_empty(self.block_pool):
                 read_no_cache(request)

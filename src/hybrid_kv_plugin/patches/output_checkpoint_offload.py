@@ -29,6 +29,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.output_checkpoint.offload import last_answer_position, partial_tail_block
+from hybrid_kv_plugin.output_checkpoint.rolling import REQUEST_ATTR
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ def spec(adapter: VllmAdapter) -> PatchSpec:
 def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def _find_fa_partial_tail_source(self: Any, request: Any, block_ids: Any) -> int | None:
+        # Asked at every request's finish; most kept no answer state (all, with the option
+        # off): one attribute test before anything is called.
+        if not getattr(request, REQUEST_ATTR, None):
+            return original(self, request, block_ids)
         answer = last_answer_position(request)
         if answer is None or not self.cpu_coordinator.enable_partial_hash_hits:
             return original(self, request, block_ids)
