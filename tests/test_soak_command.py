@@ -10,12 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _soak(tmp_path, *args: str) -> str:
-    """The summary line of ``python -m soak ARGS``, checked to leave nothing in the temp dir it was given."""
+def _soak(tmp_path, *args: str, hash_seed: str | None = "0") -> str:
+    """The summary line of ``python -m soak ARGS``, checked to leave nothing in the temp dir it was given
+    (``hash_seed``: the caller's PYTHONHASHSEED, None for none)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir(parents=True)
     env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]))
     env.pop("VLLM_CACHE_ROOT", None)
+    env.pop("PYTHONHASHSEED", None)
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
     done = subprocess.run(
         [sys.executable, "-m", "soak", *args], cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=600
     )
@@ -40,3 +44,12 @@ def test_the_soak_runs_under_async_scheduling_on_request(tmp_path):
     counts = [dict(item.split("=", 1) for item in line.split("|")[0].split() if "=" in item) for line in (sync, asynchronous)]
     # The same 34 arrivals, stepped differently (0.33.0: 303 steps and 2 byte-checked loads sync, 300 and 6 async).
     assert counts[0]["requests"] == counts[1]["requests"] and counts[0] != counts[1]
+
+
+def test_a_seed_names_one_run_whatever_the_callers_hash_seed(tmp_path):
+    # Without PYTHONHASHSEED the command fixes 0 (set order moves steps), as the suite does;
+    # a caller's own value is kept and named.
+    # (The summary reads the variable in the process that ran the steps.)
+    unset = _soak(tmp_path / "unset", "--variant", "plugin", "--steps", "20", hash_seed=None)
+    one = _soak(tmp_path / "one", "--variant", "plugin", "--steps", "20", hash_seed="1")
+    assert "(PYTHONHASHSEED=0; " in unset and "(PYTHONHASHSEED=1; " in one

@@ -21,6 +21,7 @@ violations (counted in the violations too; exit status 1 when any invariant was 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -453,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| aborts={counts.aborts} "
             f"preemptions={counts.preemptions} loads={counts.loads} failed_loads={counts.failed_loads} "
             f"stores={counts.stores} gpu_resets={counts.gpu_resets} cpu_resets={counts.cpu_resets} "
-            f"({time.monotonic() - started:.1f} s; {variant.describe()})",
+            f"(PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'unset')}; {time.monotonic() - started:.1f} s; "
+            f"{variant.describe()})",
             flush=True,
         )
         for line in violations[:20]:
