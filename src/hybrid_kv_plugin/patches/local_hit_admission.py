@@ -195,7 +195,7 @@ def _wrap_mark_full(original: Any) -> Any:
 
 def mark_written(pool: Any, block_id: int, start: int) -> None:
     """Mark block ``block_id`` of ``pool`` as written by this step's forward pass from position ``start``
-    (a block marked twice in a step keeps the earlier start)."""
+    (a block marked twice in a step keeps the earlier start; ``cache_partial_block`` inlines the same rule)."""
     marks = _WRITTEN_FROM.setdefault(id(pool), {})
     if marks.get(block_id, start) >= start:
         marks[block_id] = start
