@@ -34,6 +34,15 @@ JUNCTION_OUTSIDE = "tests/test_shared_prefix_checkpoint.py::test_junction_outsid
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        "landing-reservation-ignores-the-switch",
+        "patches/async_load_landing_reservation.py",
+        "        if not keeps_async_loads_live(self):\n",
+        # The load-landing count stays on with async_load_liveness off.
+        "        if False:\n",
+        ("tests/test_reliability_regressions.py::test_load_landing_inside_a_mamba_block_reserves_its_copy",),
+        ("0.33.0",),
+    ),
+    Mutant(
         "liveness-bound-past-with-the-switch-on",
         "patches/async_load_liveness.py",
         "        inert_for=lambda scheduler, _: not keeps_async_loads_live(scheduler),\n",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 
@@ -182,17 +183,27 @@ STEP_WORK_BUDGET = {
 }
 
 
-def test_plugin_step_work_stays_within_its_budget(adapter):
-    """The default workload: the plugin's scheduler step executes at most STEP_WORK_BUDGET x stock's bytecodes."""
+@functools.cache
+def _default_workload_count(config: str) -> tuple[int, int] | None:
+    """(bytecodes, steps) of the default workload's scheduler steps under ``config`` (None: refused);
+    counted once per process (one wheel), stock's shared by the budget tests."""
     from hybrid_kv_plugin.sim.bench import count_bytecodes
     from hybrid_kv_plugin.sim.workload import default_workload
 
-    case = BenchCase("default", tuple(default_workload(0)))
-    stock, plugin = (count_bytecodes(case, ReplaySettings(), CONFIGS[name]) for name in ("stock", "plugin"))
+    return count_bytecodes(BenchCase("default", tuple(default_workload(0))), ReplaySettings(), CONFIGS[config])
+
+
+def _per_step_ratio(counted: tuple[int, int], stock: tuple[int, int]) -> float:
+    return (counted[0] / counted[1]) / (stock[0] / stock[1])
+
+
+def test_plugin_step_work_stays_within_its_budget(adapter):
+    """The default workload: the plugin's scheduler step executes at most STEP_WORK_BUDGET x stock's bytecodes."""
+    stock, plugin = _default_workload_count("stock"), _default_workload_count("plugin")
     assert stock is not None and plugin is not None
     if adapter.version == "0.29.0":
         assert (stock[1], plugin[1]) == (105, 107)  # the steps the bench reports
-    ratio = (plugin[0] / plugin[1]) / (stock[0] / stock[1])
+    ratio = _per_step_ratio(plugin, stock)
     assert 1.0 < ratio <= STEP_WORK_BUDGET[adapter.version], f"plugin / stock bytecodes per step {ratio:.4f}"
 
 
@@ -210,17 +221,13 @@ DIVERGENCE_STEP_WORK_BUDGET = {
 
 def test_divergence_step_work_stays_within_its_budget(adapter):
     """The default workload with divergence checkpoints: at most DIVERGENCE_STEP_WORK_BUDGET x stock's bytecodes a step."""
-    from hybrid_kv_plugin.sim.bench import count_bytecodes
-    from hybrid_kv_plugin.sim.workload import default_workload
-
-    case = BenchCase("default", tuple(default_workload(0)))
-    stock, divergence = (count_bytecodes(case, ReplaySettings(), CONFIGS[name]) for name in ("stock", "plugin+divergence"))
+    stock, divergence = _default_workload_count("stock"), _default_workload_count("plugin+divergence")
     assert stock is not None
     if adapter.version not in DIVERGENCE_STEP_WORK_BUDGET:  # 0.26-0.28 refuse the option at start-up
         assert divergence is None
         return
     assert divergence is not None
-    ratio = (divergence[0] / divergence[1]) / (stock[0] / stock[1])
+    ratio = _per_step_ratio(divergence, stock)
     assert 1.0 < ratio <= DIVERGENCE_STEP_WORK_BUDGET[adapter.version], f"plugin+divergence / stock bytecodes per step {ratio:.4f}"
 
 

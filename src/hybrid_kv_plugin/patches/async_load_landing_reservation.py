@@ -39,6 +39,7 @@ from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -101,8 +102,9 @@ def _wrap(original: Any) -> Any:
     @functools.wraps(original)
     def _inflight_prefill_reserved_blocks(self: Any) -> int:
         reserved = original(self)
-        config = getattr(self, "hybrid_kv_config", None)
-        if config is not None and not config.async_load_liveness:
+        # Read here, not bound past: junction_reservation wraps this patch, and an engine that
+        # keeps the outer one runs this one whatever its switch.
+        if not keeps_async_loads_live(self):
             return reserved
         return reserved + landing_copy_blocks(self.kv_cache_manager, self._inflight_prefills, waiting_for_load)
 
