@@ -749,4 +749,31 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_replay.py::test_skipped_request_ends_show_as_dropped_hand_offs",),
         ("0.33.0",),
     ),
+    Mutant(
+        "tier-ceiling-lru-touches-root-first",
+        "sim/tier_ceiling.py",
+        "        for key in reversed(r.keys):\n",
+        # LRU then evicts a prefix from its root: the tail it keeps serves nothing.
+        "        for key in r.keys:\n",
+        ("tests/test_tier_ceiling.py::test_lru_evicts_a_prefix_from_its_tail",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "tier-ceiling-offline-never-bypasses",
+        "sim/tier_ceiling.py",
+        "                if (-worst[0], -worst[1]) <= rank:\n",
+        # The offline order admits every block, even one needed later than all it holds.
+        "                if False:\n",
+        ("tests/test_tier_ceiling.py::test_the_offline_order_passes_over_a_block_needed_later",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "tier-ceiling-ideal-of-prompts-only",
+        "sim/tier_ceiling.py",
+        "_Request(tuple(history_keys(r, block_tokens).tolist())",
+        # Answers never stored: a next turn cannot reuse the previous answer.
+        "_Request(tuple(history_keys(r, block_tokens).tolist()[: len(r.prompt_token_ids) // block_tokens])",
+        ("tests/test_tier_ceiling.py::test_a_next_turn_reuses_the_answer_blocks",),
+        ("0.33.0",),
+    ),
 )

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hybrid_kv_plugin.cli import cluster
 
     cluster.add_arguments(parser)
+    parser.add_argument(
+        "--tier-ceiling",
+        action="store_true",
+        help="also report what a CPU tier of this size can keep of the workload's reuse in a block model "
+        "(attention only, requests one after another): under LRU and under the offline optimum, and the LRU "
+        "tier that keeps 0.90 / 0.95 of it; takes seconds",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")
     out.add_argument("--per-request", action="store_true", help="with --json: every request's ideal, reuse and loss")
@@ -109,6 +116,8 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     jobs = getattr(args, "jobs", 1)
     if jobs < 1:
         raise SystemExit(f"hybrid-kv: --jobs must be >= 1, got {jobs}")
+    if cluster.requested(args) and getattr(args, "tier_ceiling", False):
+        raise SystemExit("hybrid-kv: --tier-ceiling models the CPU tier of one engine; it does not apply with --engines")
     if jobs > 1 and cluster.requested(args):
         raise SystemExit("hybrid-kv: --jobs runs the configurations of a single-engine replay in parallel; "
                          "it does not apply with --engines")
@@ -159,6 +168,11 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     for row, timing in zip(report["results"], timings):
         row["timing"] = timing
     add_input_notes(report, refused, pool_notes, model)
+    if getattr(args, "tier_ceiling", False):
+        from hybrid_kv_plugin.sim.tier_ceiling import tier_ceiling
+
+        ceiling = tier_ceiling(segments, settings.attention_block_size, settings.cpu_blocks)
+        report["tier_ceiling"] = ceiling.as_dict(model.cpu_bytes / model.cpu_blocks if model and model.cpu_blocks else None)
     if next_steps:
         report["next_steps"] = next_steps
     if args.cold_replay:

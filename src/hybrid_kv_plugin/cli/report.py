@@ -116,6 +116,8 @@ def render_report(report: dict, out: TextIO) -> None:
         )
     if ran:
         _render_details(report, ran, w)
+    if "tier_ceiling" in report:
+        _render_tier_ceiling(report["tier_ceiling"], w)
     for hint in report.get("next_steps", ()):
         w(f"\nnext step: {hint}\n")
 
@@ -173,6 +175,22 @@ def _render_details(report: dict, ran: list[dict], w: Any) -> None:
         for field in STORE_FIELDS:
             values = [r["boundary_stats"][field] if r["boundary_stats"] is not None else "-" for r in ran]
             w(row.format(f"  {field}", *values))
+
+
+def _render_tier_ceiling(c: dict, w: Any) -> None:
+    """The ``--tier-ceiling`` section (:mod:`hybrid_kv_plugin.sim.tier_ceiling`)."""
+    block_bytes = c.get("block_bytes")
+
+    def size(blocks: int) -> str:
+        return f"{blocks:,} blocks" + (f" ({_bytes(blocks * block_bytes)})" if block_bytes else "")
+
+    w(
+        f"\nCPU tier ceiling (a block model of this workload: {size(c['tier_blocks'])} of {c['block_tokens']} "
+        f"tokens, attention only, requests one after another; ideal {c['ideal_tokens']:,} tokens)\n"
+    )
+    w(f"  LRU keeps {c['lru_efficiency']:.3f} of it, the offline optimum (Belady) {c['offline_efficiency']:.3f}\n")
+    needed = " and ".join(f"{share} from {size(blocks)}" for share, blocks in c["lru_blocks_for"].items())
+    w(f"  LRU keeps {needed}\n")
 
 
 def _share(part: int, whole: int) -> str:
