@@ -1,11 +1,12 @@
-"""How much of a workload's reuse a CPU tier of a given size can keep, whatever the tier does.
+"""How much of a workload's reuse a CPU tier of a given size can keep, in a model of the tier alone.
 
 A block model of the tier, outside vLLM, for sizing it: per segment (a fresh tier each, as the
 replay runs them), requests one after another in arrival order; each looks up the longest
 cached prefix of whole attention blocks of its prompt (at least one prompt token left to
 compute), then stores every whole block of its prompt and answer. Attention blocks only: no
-Mamba state takes room and no GPU copy serves anything, so a real hybrid tier of the same
-size keeps less than this model does. Two eviction orders:
+Mamba state takes room and the GPU cache serves nothing. Its sizes are a floor for a hybrid
+tier (measured: where its LRU keeps 0.95, the replay's plugin keeps 0.82-0.84; docs/replay.md).
+Two eviction orders:
 
 * ``lru``: least recently used first; a request's blocks are touched deepest first, so a
   prefix's root outlives its tail (vLLM's block pools free a request's blocks tail first).
