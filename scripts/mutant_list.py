@@ -776,4 +776,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_tier_ceiling.py::test_a_next_turn_reuses_the_answer_blocks",),
         ("0.33.0",),
     ),
+    Mutant(
+        "tier-size-hint-never-given",
+        "cli/replay_inputs.py",
+        "    if share < EVICTION_HINT_SHARE:\n",
+        # A replay whose tier evicted half the reuse does not point at --tier-ceiling.
+        "    if True:\n",
+        ("tests/test_tier_ceiling.py::test_heavy_tier_evictions_point_at_the_ceiling",),
+        ("0.33.0",),
+    ),
 )

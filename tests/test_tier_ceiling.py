@@ -119,6 +119,31 @@ def test_the_report_carries_the_ceiling(tmp_path, capsys):
     )
 
 
+def test_heavy_tier_evictions_point_at_the_ceiling(capsys):
+    # The embedded workload on a 40-block tier: evictions cost stock a share of its ideal well past a
+    # tenth, so the report names --tier-ceiling; asked for, the ceiling replaces the hint.
+    code, out, _ = run_replay(capsys, "--configs", "stock", "--cpu-blocks", "40", "--json")
+    assert code == 0
+    report = json.loads(out)
+    stock = report["results"][0]
+    share = stock["loss"]["evicted"] / stock["ideal_tokens"]
+    assert share >= 0.10
+    assert report["next_steps"] == [
+        f"CPU-tier evictions cost stock {share:.1%} of the ideal: --tier-ceiling shows what a tier of this size can "
+        "keep of this workload and the tier that keeps 0.90 / 0.95 of it (--cpu-gib or cpu_bytes_to_use sets the size)"
+    ]
+    code, out, _ = run_replay(capsys, "--configs", "stock", "--cpu-blocks", "40", "--tier-ceiling", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert "next_steps" not in report
+    c = report["tier_ceiling"]
+    assert (c["ideal_tokens"], c["lru_efficiency"], c["offline_efficiency"], c["lru_blocks_for"]) == (
+        7824, 0.54, 0.785, {"0.90": 83, "0.95": 88}
+    )
+    # The model's ideal is the replay's here too (attention block = unit = 16).
+    assert report["results"][0]["ideal_tokens"] == 7824
+
+
 def test_the_ceiling_is_not_for_several_engines(tmp_path, capsys):
     code, out, err = run_replay(capsys, "--trace", _chat_trace(tmp_path), "--engines", "2", "--tier-ceiling")
     assert (code, out) == (2, "")

@@ -173,6 +173,8 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
 
         ceiling = tier_ceiling(segments, settings.attention_block_size, settings.cpu_blocks)
         report["tier_ceiling"] = ceiling.as_dict(model.cpu_bytes / model.cpu_blocks if model and model.cpu_blocks else None)
+    elif (hint := inputs.tier_size_hint(report["results"])) is not None:
+        next_steps.append(hint)
     if next_steps:
         report["next_steps"] = next_steps
     if args.cold_replay:

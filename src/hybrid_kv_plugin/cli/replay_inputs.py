@@ -287,6 +287,25 @@ def next_steps(settings: Any, model: Any, args: argparse.Namespace) -> list[str]
     ]
 
 
+# The share of the ideal the CPU tier must have evicted (in the configuration that lost most that
+# way) before the report points at ``--tier-ceiling``.
+EVICTION_HINT_SHARE = 0.10
+
+
+def tier_size_hint(results: Sequence[dict]) -> str | None:
+    """A next step when the CPU tier's evictions cost a configuration a tenth of its ideal or more."""
+    lost = [(r["loss"]["evicted"] / r["ideal_tokens"], r["name"]) for r in results if r.get("ideal_tokens") and "loss" in r]
+    if not lost:
+        return None
+    share, name = max(lost)
+    if share < EVICTION_HINT_SHARE:
+        return None
+    return (
+        f"CPU-tier evictions cost {name} {share:.1%} of the ideal: --tier-ceiling shows what a tier of this size can "
+        "keep of this workload and the tier that keeps 0.90 / 0.95 of it (--cpu-gib or cpu_bytes_to_use sets the size)"
+    )
+
+
 def _finer_unit(model: Any, args: argparse.Namespace) -> Any:
     from hybrid_kv_plugin.models.geometry import GeometryError, ServeLine, parse_serve_line
     from hybrid_kv_plugin.models.unit_advice import finer_unit
