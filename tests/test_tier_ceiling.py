@@ -29,7 +29,7 @@ def _one_block(token: int) -> list[int]:
 
 def _figures(segments, tier_blocks):
     c = tier_ceiling(segments, BLOCK, tier_blocks)
-    return c.ideal_tokens, c.lru_tokens, c.offline_tokens, c.lru_blocks_for
+    return c.ideal_tokens, c.lru_tokens, c.offline_tokens, c.lru_blocks_for, c.offline_blocks_for
 
 
 def test_the_offline_order_keeps_what_lru_cycles_out():
@@ -37,9 +37,11 @@ def test_the_offline_order_keeps_what_lru_cycles_out():
     # just before it is used; the offline order never admits the third (never used again).
     p, q, r = _one_block(1), _one_block(2), _one_block(3)
     seg = Segment("cycle", tuple(_request(f"r{i}", t) for i, t in enumerate((p, q, r, p, q))))
-    assert _figures([seg], 2) == (8, 0, 8, {0.90: 3, 0.95: 3})
-    assert _figures([seg], 3) == (8, 8, 8, {0.90: 3, 0.95: 3})
-    assert _figures([seg], 0) == (8, 0, 0, {0.90: 3, 0.95: 3})
+    assert _figures([seg], 2) == (8, 0, 8, {0.90: 3, 0.95: 3}, {0.90: 2, 0.95: 2})
+    assert _figures([seg], 3)[:3] == (8, 8, 8)
+    assert _figures([seg], 0)[:3] == (8, 0, 0)
+    # One block: the optimum keeps p for its use and passes over q (needed later): half the ideal.
+    assert _figures([seg], 1)[:3] == (8, 0, 4)
 
 
 def test_the_offline_order_passes_over_a_block_needed_later():
@@ -47,7 +49,7 @@ def test_the_offline_order_passes_over_a_block_needed_later():
     # does not admit q (it loses q's one use and keeps p's two), LRU cycles both out.
     p, q = _one_block(1), _one_block(2)
     seg = Segment("bypass", tuple(_request(f"r{i}", t) for i, t in enumerate((p, q, p, p, q))))
-    assert _figures([seg], 1) == (12, 4, 8, {0.90: 2, 0.95: 2})
+    assert _figures([seg], 1) == (12, 4, 8, {0.90: 2, 0.95: 2}, {0.90: 2, 0.95: 2})
 
 
 def test_lru_evicts_a_prefix_from_its_tail():
@@ -55,7 +57,7 @@ def test_lru_evicts_a_prefix_from_its_tail():
     # first prompt's second block, not its root, and still serves one block of it.
     a = [1] * BLOCK + [2] * BLOCK + [99]
     seg = Segment("tail", (_request("a", a), _request("b", _one_block(3)), _request("a2", a)))
-    assert _figures([seg], 2) == (8, 4, 8, {0.90: 3, 0.95: 3})
+    assert _figures([seg], 2) == (8, 4, 8, {0.90: 3, 0.95: 3}, {0.90: 2, 0.95: 2})
 
 
 def test_a_next_turn_reuses_the_answer_blocks():
@@ -107,6 +109,8 @@ def test_the_report_carries_the_ceiling(tmp_path, capsys):
         "offline_efficiency": 1.0,
         # LRU keeps turn 1's first N blocks (its tail goes first): 0.90 of 704 needs 40 blocks, 0.95 needs 42.
         "lru_blocks_for": {"0.90": 40, "0.95": 42},
+        # Turn 1's 44 blocks are all needed at turn 2, the deeper ones no sooner: the optimum keeps the first N too.
+        "offline_blocks_for": {"0.90": 40, "0.95": 42},
     }
     text = io.StringIO()
     render_report(report, text)  # what the command prints without --json
@@ -116,6 +120,7 @@ def test_the_report_carries_the_ceiling(tmp_path, capsys):
         "requests one after another; ideal 704 tokens)\n"
         "  LRU keeps 1.000 of it, the offline optimum (Belady) 1.000\n"
         "  LRU keeps 0.90 from 40 blocks and 0.95 from 42 blocks\n"
+        "  the offline optimum keeps 0.90 from 40 blocks and 0.95 from 42 blocks\n"
     )
 
 
@@ -137,8 +142,8 @@ def test_heavy_tier_evictions_point_at_the_ceiling(capsys):
     report = json.loads(out)
     assert "next_steps" not in report
     c = report["tier_ceiling"]
-    assert (c["ideal_tokens"], c["lru_efficiency"], c["offline_efficiency"], c["lru_blocks_for"]) == (
-        7824, 0.54, 0.785, {"0.90": 83, "0.95": 88}
+    assert (c["ideal_tokens"], c["lru_efficiency"], c["offline_efficiency"], c["lru_blocks_for"], c["offline_blocks_for"]) == (
+        7824, 0.54, 0.785, {"0.90": 83, "0.95": 88}, {"0.90": 59, "0.95": 70}
     )
     # The model's ideal is the replay's here too (attention block = unit = 16).
     assert report["results"][0]["ideal_tokens"] == 7824

@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tier-ceiling",
         action="store_true",
         help="also report what a CPU tier of this size can keep of the workload's reuse in a block model "
-        "(attention only, requests one after another): under LRU and under the offline optimum, and the LRU "
-        "tier that keeps 0.90 / 0.95 of it; takes seconds",
+        "(attention only, requests one after another): under LRU and under the offline optimum, and the tier "
+        "each needs for 0.90 / 0.95 of it; takes seconds",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="machine-readable output")

@@ -189,8 +189,9 @@ def _render_tier_ceiling(c: dict, w: Any) -> None:
         f"tokens, attention only, requests one after another; ideal {c['ideal_tokens']:,} tokens)\n"
     )
     w(f"  LRU keeps {c['lru_efficiency']:.3f} of it, the offline optimum (Belady) {c['offline_efficiency']:.3f}\n")
-    needed = " and ".join(f"{share} from {size(blocks)}" for share, blocks in c["lru_blocks_for"].items())
-    w(f"  LRU keeps {needed}\n")
+    for order, key in (("LRU", "lru_blocks_for"), ("the offline optimum", "offline_blocks_for")):
+        needed = " and ".join(f"{share} from {size(blocks)}" for share, blocks in c[key].items())
+        w(f"  {order} keeps {needed}\n")
 
 
 def _share(part: int, whole: int) -> str:

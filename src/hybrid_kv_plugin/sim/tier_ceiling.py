@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,8 @@ class TierCeiling:
     # {share of the ideal: the smallest tier (blocks) where LRU keeps it}; blocks past what the
     # workload ever stores are never needed, so every share is found.
     lru_blocks_for: dict[float, int]
+    # The same for the offline optimum: the least tier any order could do it with.
+    offline_blocks_for: dict[float, int]
 
     def share(self, tokens: int) -> float:
         return tokens / self.ideal_tokens if self.ideal_tokens else 1.0
@@ -70,6 +72,7 @@ class TierCeiling:
             "offline_tokens": self.offline_tokens,
             "offline_efficiency": round(self.share(self.offline_tokens), 3),
             "lru_blocks_for": {f"{s:.2f}": n for s, n in self.lru_blocks_for.items()},
+            "offline_blocks_for": {f"{s:.2f}": n for s, n in self.offline_blocks_for.items()},
         }
         if block_bytes is not None:
             out["block_bytes"] = round(block_bytes)
@@ -163,12 +166,16 @@ def offline_blocks(requests: Sequence[_Request], capacity: int) -> int:
     return total
 
 
-def _smallest_lru_tier(requests: Sequence[list[_Request]], ideal: int, share: float, most: int) -> int:
-    """The fewest blocks with which LRU keeps ``share`` of ``ideal`` (LRU never keeps less with more room)."""
+def _smallest_tier(
+    order: Callable[[Sequence[_Request], int], int], requests: Sequence[list[_Request]], ideal: int, share: float, most: int
+) -> int:
+    """The fewest blocks with which ``order`` keeps ``share`` of ``ideal``. Neither order keeps less with
+    more room: LRU's tier at n blocks is the top n of one recency stack, and the optimum's count is the
+    best any order can do, which a larger tier can always match."""
     low, high = 0, most
     while low < high:
         mid = (low + high) // 2
-        if sum(lru_blocks(seg, mid) for seg in requests) >= share * ideal:
+        if sum(order(seg, mid) for seg in requests) >= share * ideal:
             high = mid
         else:
             low = mid + 1
@@ -189,5 +196,6 @@ def tier_ceiling(segments: Sequence[Any], block_tokens: int, tier_blocks: int) -
         ideal_tokens=ideal * block_tokens,
         lru_tokens=sum(lru_blocks(seg, tier_blocks) for seg in per_segment) * block_tokens,
         offline_tokens=sum(offline_blocks(seg, tier_blocks) for seg in per_segment) * block_tokens,
-        lru_blocks_for={s: _smallest_lru_tier(per_segment, ideal, s, most) for s in TARGET_SHARES},
+        lru_blocks_for={s: _smallest_tier(lru_blocks, per_segment, ideal, s, most) for s in TARGET_SHARES},
+        offline_blocks_for={s: _smallest_tier(offline_blocks, per_segment, ideal, s, most) for s in TARGET_SHARES},
     )
