@@ -770,9 +770,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tier-ceiling-ideal-of-prompts-only",
         "sim/tier_ceiling.py",
-        "_Request(tuple(history_keys(r, block_tokens).tolist())",
+        "    keys = [history_keys(r, block_tokens) for r in requests]\n",
         # Answers never stored: a next turn cannot reuse the previous answer.
-        "_Request(tuple(history_keys(r, block_tokens).tolist()[: len(r.prompt_token_ids) // block_tokens])",
+        "    keys = [history_keys(r, block_tokens)[: len(r.prompt_token_ids) // block_tokens] for r in requests]\n",
         ("tests/test_tier_ceiling.py::test_a_next_turn_reuses_the_answer_blocks",),
         ("0.33.0",),
     ),

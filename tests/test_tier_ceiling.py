@@ -1,6 +1,6 @@
 """``replay --tier-ceiling``: what a CPU tier of a given size can keep of a workload's reuse, in a
-block model (sim/tier_ceiling.py): LRU, the offline optimum (Belady), the LRU tier each reuse goal
-needs. Hand-built workloads whose figures follow from the rules, then the command."""
+block model (sim/tier_ceiling.py): LRU, the offline optimum (Belady), the tier each order needs per reuse
+goal. Hand-built workloads whose figures follow from the rules, then the command."""
 
 from __future__ import annotations
 

@@ -28,19 +28,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_kv_plugin.sim.workload import history_keys
+from hybrid_kv_plugin.sim.workload import history_keys, ideal_reuse
 
-# Shares of the ideal the report finds the smallest LRU tier for (the reuse goals of issue #31).
+# Shares of the ideal the report finds the smallest tier for, per order (the reuse goals of issue #31).
 TARGET_SHARES = (0.90, 0.95)
 _NEVER = float("inf")
 
 
 @dataclass(frozen=True)
 class _Request:
-    """One request as the model sees it: its history's block keys and how many of them a lookup may use."""
+    """One request as the model sees it: its history's block keys, and how many leading ones an
+    unbounded tier serves it (its ideal; no tier serves more)."""
 
     keys: tuple[int, ...]
-    usable: int
+    ideal: int
+
+
+@dataclass(frozen=True)
+class _Segment:
+    requests: list[_Request]
+    # {block key: the requests (arrival indices) whose ideal holds it}: where holding it is a hit.
+    uses: dict[int, list[int]]
 
 
 @dataclass(frozen=True)
@@ -79,36 +87,31 @@ class TierCeiling:
         return out
 
 
-def _segment_requests(requests: Sequence[Any], block_tokens: int) -> list[_Request]:
-    return [
-        _Request(tuple(history_keys(r, block_tokens).tolist()), (len(r.prompt_token_ids) - 1) // block_tokens)
-        for r in requests
-    ]
+def _segment(requests: Sequence[Any], block_tokens: int) -> _Segment:
+    keys = [history_keys(r, block_tokens) for r in requests]
+    # The replay's own ideal, at the block instead of the prefix-match unit.
+    ideal = ideal_reuse(requests, block_tokens, keys)
+    modelled = [_Request(tuple(k.tolist()), ideal[r.request_id] // block_tokens) for r, k in zip(requests, keys)]
+    uses: dict[int, list[int]] = {}
+    for t, r in enumerate(modelled):
+        for key in r.keys[: r.ideal]:
+            uses.setdefault(key, []).append(t)
+    return _Segment(modelled, uses)
 
 
-def _leading_held(keys: tuple[int, ...], usable: int, held: Any) -> int:
+def _leading_held(r: _Request, held: Any) -> int:
     n = 0
-    while n < usable and keys[n] in held:
+    while n < r.ideal and r.keys[n] in held:
         n += 1
     return n
 
 
-def ideal_blocks(requests: Sequence[_Request]) -> int:
-    """Blocks an unbounded tier serves: each request's leading prompt blocks some earlier history stored."""
-    seen: set[int] = set()
-    total = 0
-    for r in requests:
-        total += _leading_held(r.keys, r.usable, seen)
-        seen.update(r.keys)
-    return total
-
-
-def lru_blocks(requests: Sequence[_Request], capacity: int) -> int:
+def lru_blocks(segment: _Segment, capacity: int) -> int:
     """Blocks an LRU tier of ``capacity`` blocks serves (see the module docstring)."""
     tier: OrderedDict[int, None] = OrderedDict()
     total = 0
-    for r in requests:
-        total += _leading_held(r.keys, r.usable, tier)
+    for r in segment.requests:
+        total += _leading_held(r, tier)
         for key in reversed(r.keys):
             if key in tier:
                 tier.move_to_end(key)
@@ -119,21 +122,15 @@ def lru_blocks(requests: Sequence[_Request], capacity: int) -> int:
     return total
 
 
-def offline_blocks(requests: Sequence[_Request], capacity: int) -> int:
+def offline_blocks(segment: _Segment, capacity: int) -> int:
     """Blocks a tier of ``capacity`` blocks serves under Belady's rule (see the module docstring)."""
-    # A use of a block: a request whose ideal prefix holds it (a hit there if the tier holds it).
-    uses: dict[int, list[int]] = {}
-    seen: set[int] = set()
-    for t, r in enumerate(requests):
-        for key in r.keys[: _leading_held(r.keys, r.usable, seen)]:
-            uses.setdefault(key, []).append(t)
-        seen.update(r.keys)
+    uses = segment.uses
     cursor = dict.fromkeys(uses, 0)
     held: dict[int, tuple[float, int]] = {}  # key -> (next use, depth): its current eviction rank
     heap: list[tuple[float, int, int]] = []  # (-next use, -depth, key); stale entries are skipped
     total = 0
-    for t, r in enumerate(requests):
-        total += _leading_held(r.keys, r.usable, held)
+    for t, r in enumerate(segment.requests):
+        total += _leading_held(r, held)
         for depth, key in enumerate(r.keys):
             times = uses.get(key)
             if times is None:
@@ -167,7 +164,7 @@ def offline_blocks(requests: Sequence[_Request], capacity: int) -> int:
 
 
 def _smallest_tier(
-    order: Callable[[Sequence[_Request], int], int], requests: Sequence[list[_Request]], ideal: int, share: float, most: int
+    order: Callable[[_Segment, int], int], segments: Sequence[_Segment], ideal: int, share: float, most: int
 ) -> int:
     """The fewest blocks with which ``order`` keeps ``share`` of ``ideal``. Neither order keeps less with
     more room: LRU's tier at n blocks is the top n of one recency stack, and the optimum's count is the
@@ -175,7 +172,7 @@ def _smallest_tier(
     low, high = 0, most
     while low < high:
         mid = (low + high) // 2
-        if sum(order(seg, mid) for seg in requests) >= share * ideal:
+        if sum(order(seg, mid) for seg in segments) >= share * ideal:
             high = mid
         else:
             low = mid + 1
@@ -186,10 +183,10 @@ def tier_ceiling(segments: Sequence[Any], block_tokens: int, tier_blocks: int) -
     """The model's figures for ``segments`` (each with ``requests`` in arrival order)."""
     if block_tokens < 1 or tier_blocks < 0:
         raise ValueError(f"block_tokens must be >= 1 and tier_blocks >= 0, got {block_tokens} and {tier_blocks}")
-    per_segment = [_segment_requests(s.requests, block_tokens) for s in segments]
-    ideal = sum(ideal_blocks(seg) for seg in per_segment)
+    per_segment = [_segment(s.requests, block_tokens) for s in segments]
+    ideal = sum(r.ideal for seg in per_segment for r in seg.requests)
     # A tier that holds every block the workload stores never evicts: LRU keeps the ideal there.
-    most = max((len({k for r in seg for k in r.keys}) for seg in per_segment), default=0)
+    most = max((len({k for r in seg.requests for k in r.keys}) for seg in per_segment), default=0)
     return TierCeiling(
         block_tokens=block_tokens,
         tier_blocks=tier_blocks,
