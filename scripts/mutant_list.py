@@ -785,4 +785,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_tier_ceiling.py::test_heavy_tier_evictions_point_at_the_ceiling",),
         ("0.33.0",),
     ),
+    Mutant(
+        "answer-state-handed-over-before-the-last-chunk",
+        "output_checkpoint/rolling.py",
+        "    return num_tokens == request.num_tokens and request.num_output_tokens + 1 >= request.max_tokens\n",
+        # A resumed request's chunk ending short of its length, one answer token left, hands its running block over.
+        "    return request.num_output_tokens + 1 >= request.max_tokens\n",
+        (
+            "tests/test_output_checkpoint.py::test_last_step_is_the_step_that_computes_every_token",
+            "tests/test_reliability_regressions.py::test_async_resumed_request_hands_over_no_state_a_later_chunk_moves",
+        ),
+        ("0.33.0",),
+    ),
 )

@@ -272,6 +272,25 @@ def test_eagle_block_drop_keeps_one_unit_lower(plugin, adapter):
     assert _turns(adapter, True, reset_gpu=False, geometry=geometry, connector=False).hit == 336
 
 
+def test_last_step_is_the_step_that_computes_every_token(plugin, adapter):
+    """The answer state is handed over as the running block only on the step sampling the last token:
+    a preempted request (prompt 83, 15 of 16 answer tokens: 98 tokens) recomputing in chunks reaches
+    a chunk end at 96 with one answer token left, and the step 96..98 still follows (soak seed 13,
+    test_reliability_regressions)."""
+    if _refused_here(adapter):
+        return
+    from hybrid_kv_plugin.output_checkpoint.rolling import is_last_step
+
+    run = turn_engine(adapter, True)
+    run.engine.add_request("a", tokens(83), max_tokens=16)
+    request = run.engine.scheduler.requests["a"]
+    request.append_output_token_ids([7] * 14)
+    assert [is_last_step(request, n) for n in (96, 97)] == [False, False]  # 97 tokens, 2 to sample
+    request.append_output_token_ids(7)
+    assert request.num_tokens == 98
+    assert [is_last_step(request, n) for n in (96, 98)] == [False, True]
+
+
 def test_option_off_is_stock(adapter):
     """false: the same steps, GPU hits and kept states as the wheel without the plugin
     (the plugin's connector needs the plugin; its CPU-tier row is asserted above)."""

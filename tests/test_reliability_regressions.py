@@ -48,6 +48,13 @@ def _plugin_fa64(adapter):
     return dataclasses.replace(plain, name="plugin-fa64", attention_block_size=64)
 
 
+def _divergence_variant(adapter, name):
+    """The named variant with the divergence option, or None where the wheel refuses it at start-up (0.26-0.28)."""
+    variant = next((v for v in variants(adapter) if v.name == name), None)
+    assert (variant is None) == (not adapter.divergence_checkpoint_supported)
+    return variant
+
+
 # Exact figures of the seed-0 re-store run (the same on every wheel): steps, requests,
 # invariant checks. The program stops adding work at 240 steps, then drains.
 RESTORE_RUN = (250, 29, 1768)
@@ -409,9 +416,8 @@ DIVERGENCE_ADMISSION_STEPS = {"both": 10_011, "count only": 10_007, "reservation
 def test_async_divergence_admission_counts_the_kept_state_block(plugin, adapter, scheduling, monkeypatch):
     from hybrid_kv_plugin.patches import admission_reserves_running_prefills
 
-    variant = next((v for v in variants(adapter) if v.name == "plugin-divergence-fa64"), None)
+    variant = _divergence_variant(adapter, "plugin-divergence-fa64")
     if variant is None:
-        assert not adapter.divergence_checkpoint_supported  # 0.26-0.28 refuse the option
         return
     seed = DIVERGENCE_ADMISSION_SEED
     counts = soak_clean(adapter, variant, seed)
@@ -564,3 +570,30 @@ def test_junction_state_is_reserved_against_async_loads(plugin, adapter, monkeyp
     assert violations == [
         f"step {stalled + k * DRAIN_LIMIT}: not idle after {DRAIN_LIMIT} steps (['q44', 'q46'] live)" for k in (1, 2)
     ]
+
+
+# An answer state handed over on what looked like a request's last step (output_checkpoint/rolling.py):
+# every option on (`plugin-all-options-fa32`), AsyncScheduler, seed 13. On 0.33.0 q469 (prompt 83,
+# 15 of 16 answer tokens) was preempted and recomputed from 80; its chunk 80..96 passed the old test
+# (one answer token left), so the running Mamba block holding the state at 96 was handed to the
+# connector, but the step computing 96..98 still came: its copy-on-write moved the block's prefix-cache
+# key to the copy while the store was in flight, and vLLM's store completion asserts on the keyless
+# block (step 8,351). (seed, steps, byte-checked loads) of the fixed 0.33.0 run; every wheel with the
+# options runs the seed clean.
+LAST_STEP_HANDOFF_SEED = (13, 10_136, 234)
+
+
+@pytest.mark.parametrize("scheduling", ["async"], indirect=True)
+def test_async_resumed_request_hands_over_no_state_a_later_chunk_moves(plugin, adapter, scheduling, monkeypatch):
+    from hybrid_kv_plugin.output_checkpoint import rolling
+
+    variant = _divergence_variant(adapter, "plugin-all-options-fa32")
+    if variant is None:
+        return
+    if not soak_pinned(adapter, variant, LAST_STEP_HANDOFF_SEED, adapter.version == "0.33.0"):
+        return
+    # The old rule (the plugin's test, not vLLM's code): one answer token left, whatever the chunk's end.
+    monkeypatch.setattr(rolling, "is_last_step", lambda request, num_tokens: request.num_output_tokens + 1 >= request.max_tokens)
+    with pytest.raises(AssertionError) as failure:
+        soak(adapter, variant, 10_000, LAST_STEP_HANDOFF_SEED[0])
+    assert failure.traceback[-1].name == "_process_store_completion"

@@ -72,6 +72,8 @@ VARIANTS = tuple(v.name for v in variants(select_adapter().adapter))
 # variant runs on the 64-token grid (stock on 0.26-0.28): their pools, pinned by the regression
 # seeds, hold the warm requests without pressure.
 WARM_OWN_TOKENS = 24
+# The soak's variants that combine the options (soak.harness.variants).
+COMBINED_VARIANTS = ("plugin-chat-options-fa64", "plugin-all-options-fa32")
 FLOORS = {"loads": 5, "failed_loads": 2, "preemptions": 1, "partial_tails": 1}
 
 
@@ -230,6 +232,12 @@ def expected_floors(adapter, variant, async_scheduling: bool = False) -> dict[st
         # preemptions on 0.30+ (0 of them; the floor of 1 held before); the other variants still
         # preempt there (0.33.0: plugin 4, plugin-output-checkpoint 21). plugin-junction (EAGLE's
         # one-block lookahead) preempts once on 0.30.0 and none on 0.31-0.33 under async.
+        floors["preemptions"] = 0
+    if variant.name in COMBINED_VARIANTS and expected_side(adapter, variant) == OffloadMode.NATIVE.value:
+        # The combined options' CI budget preempts none on 0.31-0.33 (both schedulers) nor on 0.30 under
+        # async (0.30 sync: 6 and 4); their 10,000-step soaks do (0.33.0 seed 0: 98 / 123 under Scheduler,
+        # 69 / 78 under async), and a preempted request's recompute is pinned by soak seed 13
+        # (test_async_resumed_request_hands_over_no_state_a_later_chunk_moves).
         floors["preemptions"] = 0
     return floors
 

@@ -128,6 +128,19 @@ def variants(adapter: Any) -> list[Variant]:
             if not opt_out
             else []
         ),
+        *(
+            # The options combined, as the README's best configurations run them: a chat workload's
+            # (divergence, hybrid order, request ends skipped) with attention block = Mamba block, and every
+            # option at once with 32-token attention blocks and 4x answers.
+            [Variant("plugin-chat-options-fa64", CONNECTOR_NAME, (("cpu_tier_eviction", "hybrid"), ("cpu_tier_request_ends", "skip")),
+                     attention_block_size=64, plugin_options=(("mamba_divergence_checkpoint", True),)),
+             Variant("plugin-all-options-fa32", CONNECTOR_NAME, (("cpu_tier_eviction", "hybrid"), ("cpu_tier_request_ends", "skip")),
+                     attention_block_size=32, output_scale=4,
+                     plugin_options=(("mamba_divergence_checkpoint", True), ("mamba_output_checkpoint", True),
+                                     ("prompt_tail_checkpoint", "both")))]
+            if not opt_out and adapter.divergence_checkpoint_supported
+            else []
+        ),
     ]
 
 

@@ -107,7 +107,7 @@ def at_output_boundary(manager: Any, request: Any, num_tokens: int, checkpoint: 
     key = keep_partial_state(manager, request, num_tokens, producer_holds_block)
     if key is not None:
         states.append(KeptState(num_tokens, key, holder))
-        if late is None and request.num_output_tokens + 1 >= request.max_tokens:
+        if late is None and is_last_step(request, num_tokens):
             _hand_off_last_step(manager, request, holder, num_tokens)
     return key
 
@@ -166,6 +166,16 @@ def note_block_end(manager: Any, request: Any, num_tokens: int) -> None:
         kept_states(request, manager.kv_cache_group_id).append(
             KeptState(num_tokens, block.block_hash, block, copy=block)
         )
+
+
+def is_last_step(request: Any, num_tokens: int) -> bool:
+    """Whether the step computing up to ``num_tokens`` samples the request's last token (its length limit).
+
+    Only a step that computes every token the request has samples one: a preempted request
+    recomputing its prompt and answer in chunks can reach its last answer token minus one
+    with a chunk that ends short of its length, and a later step still allocates for it.
+    """
+    return num_tokens == request.num_tokens and request.num_output_tokens + 1 >= request.max_tokens
 
 
 def _hand_off_last_step(manager: Any, request: Any, holder: Any, num_tokens: int) -> None:
