@@ -797,4 +797,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("0.33.0",),
     ),
+    Mutant(
+        "bench-async-scheduling-flag-dropped",
+        "cli/bench.py",
+        "    settings = dataclasses.replace(settings_from(args), async_scheduling=args.async_scheduling)\n",
+        # `hybrid-kv bench --async-scheduling` times the plain Scheduler and says AsyncScheduler.
+        "    settings = settings_from(args)\n",
+        ("tests/test_bench.py::test_bench_command_drives_the_async_scheduler_on_request",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "replay-engine-ignores-async-scheduling",
+        "sim/replay.py",
+        "                async_scheduling=settings.async_scheduling,\n",
+        # Every replay and bench engine runs the plain Scheduler whatever the settings say.
+        "                async_scheduling=False,\n",
+        ("tests/test_bench.py::test_plugin_step_work_stays_within_its_budget",),
+        ("0.33.0",),
+    ),
 )

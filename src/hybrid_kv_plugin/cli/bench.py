@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TextIO
@@ -32,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also count the Python bytecode instructions per step (one more, untimed run per "
         "configuration; deterministic, unlike CPU time on a shared machine)",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="drive vLLM's AsyncScheduler, as a GPU `vllm serve` does by default (default: Scheduler)",
+    )
     add_geometry_arguments(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -48,7 +54,7 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
     configs = choose_configs(args.configs, ())
     if len({c.name for c in configs}) != len(configs):
         raise SystemExit(f"hybrid-kv: --configs {args.configs!r}: each configuration at most once")
-    settings = settings_from(args)
+    settings = dataclasses.replace(settings_from(args), async_scheduling=args.async_scheduling)
     cases = [BenchCase("default", tuple(with_eagle(default_workload(args.seed), args.eagle)))]
     if args.requests:
         large = tuple(with_eagle(workload_of_size(args.requests, args.seed), args.eagle))
@@ -82,7 +88,7 @@ def render_bench(report: dict, out: TextIO) -> None:
     w = out.write
     w(
         f"hybrid-kv bench on vLLM {report['vllm']}: {report['timed']}, {report['repeats']} repeats per "
-        f"configuration, processes: {report['processes']}\n"
+        f"configuration, processes: {report['processes']}, vLLM's {report['scheduler']}\n"
     )
     for case in report["cases"]:
         w(f"\n{case['name']} ({case['requests']} requests)\n")

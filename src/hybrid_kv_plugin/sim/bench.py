@@ -345,6 +345,7 @@ def run_bench(
         "repeats": repeats,
         "timed": "process CPU time of scheduler.schedule() + scheduler.update_from_output()",
         "processes": "one per configuration" if processes else "this one",
+        "scheduler": "AsyncScheduler" if settings.async_scheduling else "Scheduler",
         "cases": [
             run_case(
                 case, settings, repeats, configs=configs, clock=clock, progress=progress, bytecodes=bytecodes,

@@ -55,6 +55,8 @@ class ReplaySettings:
     max_num_seqs: int = 64
     # Blocks one Mamba state takes (the resolved model's Mamba groups; sim/geometry.py).
     mamba_groups: int = 1
+    # The engine core's scheduler: vLLM's AsyncScheduler (a GPU `vllm serve`'s default) or Scheduler.
+    async_scheduling: bool = False
 
     def geometry(self, segment: Segment) -> HybridGeometry:
         max_model_len = self.max_model_len
@@ -377,6 +379,7 @@ class _SegmentRun:
                 kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, **config.connector_extra_config()},
                 additional_config=additional,
                 transfer_policy=TransferPolicy(delay_steps=settings.transfer_delay_steps),
+                async_scheduling=settings.async_scheduling,
             )
         self.unit = self.engine.hash_block_size
         # Each request's history keys (uint64 arrays, 8 bytes a unit): the ideal and the
