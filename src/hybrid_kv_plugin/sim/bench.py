@@ -25,6 +25,8 @@ an instruction costs (C work inside one call, cache misses).
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import statistics
 from collections.abc import Callable, Sequence
@@ -339,7 +341,10 @@ def run_bench(
     processes: bool = False,
 ) -> dict[str, Any]:
     from hybrid_kv_plugin.registration import current_adapter
+    from hybrid_kv_plugin.sim.engine import async_by_default
 
+    if settings.async_scheduling is None:  # chosen here, so configuration processes run the same
+        settings = dataclasses.replace(settings, async_scheduling=async_by_default())
     return {
         "vllm": current_adapter().version,
         "repeats": repeats,

@@ -42,6 +42,11 @@ def default_scheduling(async_scheduling: bool) -> Iterator[None]:
         _ASYNC_BY_DEFAULT.reset(token)
 
 
+def async_by_default() -> bool:
+    """The scheduler an engine built here without ``async_scheduling`` gets (see :func:`default_scheduling`)."""
+    return _ASYNC_BY_DEFAULT.get()
+
+
 @dataclass
 class StepRecord:
     index: int

@@ -55,8 +55,9 @@ class ReplaySettings:
     max_num_seqs: int = 64
     # Blocks one Mamba state takes (the resolved model's Mamba groups; sim/geometry.py).
     mamba_groups: int = 1
-    # The engine core's scheduler: vLLM's AsyncScheduler (a GPU `vllm serve`'s default) or Scheduler.
-    async_scheduling: bool = False
+    # The engine core's scheduler: vLLM's AsyncScheduler (a GPU `vllm serve`'s default) or Scheduler;
+    # None: the driver's default (sim.engine.default_scheduling, Scheduler unless a caller chose).
+    async_scheduling: bool | None = None
 
     def geometry(self, segment: Segment) -> HybridGeometry:
         max_model_len = self.max_model_len
