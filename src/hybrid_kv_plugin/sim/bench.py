@@ -26,7 +26,6 @@ an instruction costs (C work inside one call, cache misses).
 from __future__ import annotations
 
 import dataclasses
-
 import gc
 import statistics
 from collections.abc import Callable, Sequence
