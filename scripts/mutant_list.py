@@ -815,4 +815,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_bench.py::test_plugin_step_work_stays_within_its_budget",),
         ("0.33.0",),
     ),
+    Mutant(
+        "remaining-blocks-record-never-consulted",
+        "patches/remaining_blocks_once_per_step.py",
+        "        if known is not None and known[0] == state:\n",
+        # Every count asks the wheel again: the same answers, none of the savings.
+        "        if False:\n",
+        ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "remaining-blocks-record-outlives-its-step",
+        "patches/remaining_blocks_once_per_step.py",
+        "        setattr(self, RECORD, {})\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            setattr(self, RECORD, None)\n",
+        # The first step's record is kept for good: later steps answer from earlier ones' counts.
+        "        if getattr(self, RECORD, None) is None:\n            setattr(self, RECORD, {})\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
+        ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
+        ("0.33.0",),
+    ),
 )

@@ -222,7 +222,9 @@ def _per_step_ratio(counted: tuple[int, int], stock: tuple[int, int]) -> float:
 # The same under vLLM's AsyncScheduler (`hybrid-kv bench --async-scheduling`, a GPU `vllm serve`'s
 # default), measured 2026-12-06: 0.26.0 1.0997, 0.27.1 1.0802, 0.28.0 1.0964, 0.29.0 1.0597, 0.30.0
 # 1.0492, 0.31.0 1.0303, 0.32.0 1.0293, 0.33.0 1.0285 (stock's steps: 135 on 0.26-0.27, 139 on
-# 0.28-0.29, 132 on 0.30-0.33, against 98 / 105 / 95 under Scheduler).
+# 0.28-0.29, 132 on 0.30-0.33, against 98 / 105 / 95 under Scheduler). With remaining_blocks_once_per_step (same
+# day): 0.26.0 1.0991, 0.27.1 1.0796, 0.28.0 1.0954, 0.29.0 1.0581, 0.30.0 1.0470, 0.31.0 1.0284, 0.32.0 1.0274,
+# 0.33.0 1.0266; under Scheduler 0.26.0 1.0832, 0.28.0 1.0897, 0.29.0 1.0565, 0.33.0 1.0159.
 ASYNC_STEP_WORK_BUDGET = {
     "0.26.0": 1.11,
     "0.27.1": 1.09,

@@ -155,18 +155,17 @@ def past_the_count_fix(adapter, under_async: bool = False, manager: str = "Mamba
 @pytest.mark.parametrize("liveness", [True, False], ids=["liveness-on", "liveness-off"])
 def test_liveness_switch_is_read_at_start_up(plugin, make_engine, adapter, liveness):
     """``async_load_liveness`` off binds the scheduler's step past its patch at start-up; on, the
-    patch runs every step (and no longer reads the switch there)."""
+    patch runs every step (and no longer reads the switch there). The outermost patch of the step,
+    ``remaining_blocks_once_per_step``, is skipped too: without a connector nothing sums remaining blocks."""
     engine = make_engine(_geometry(), additional_config={"hybrid_kv": {"async_load_liveness": liveness}})
     scheduler = engine.scheduler
-    bound = scheduler.__dict__.get("schedule")
-    if adapter.first_waiting_queue_attr is None:  # 0.26-0.28 reserve no async loads: no patch, no binding
-        assert (bound, getattr(type(scheduler).schedule, PATCH_MARKER, None)) == (None, None)
-        return
-    assert getattr(type(scheduler).schedule, PATCH_MARKER) == "async_load_liveness"
-    if liveness:
-        assert bound is None
+    assert getattr(type(scheduler).schedule, PATCH_MARKER) == "remaining_blocks_once_per_step.reset"
+    bound = scheduler.__dict__["schedule"].__func__
+    if adapter.first_waiting_queue_attr is None or not liveness:
+        # 0.26-0.28 reserve no async loads (no liveness patch), or its switch is off: the wheel's own step.
+        assert bound is inspect.unwrap(type(scheduler).schedule)
     else:
-        assert bound.__func__ is inspect.unwrap(type(scheduler).schedule)
+        assert getattr(bound, PATCH_MARKER) == "async_load_liveness"
 
 
 @pytest.mark.both_schedulers

@@ -45,6 +45,7 @@ REMOVAL_NOTES = {
     "same_step_copy_chains": "not yet (present up to 0.33.0)",
     "local_hit_admission": "not yet (present up to 0.33.0)",
     "admission_reserves_running_prefills": "not yet (present up to 0.33.0)",
+    "remaining_blocks_once_per_step": "not yet (present up to 0.33.0)",
     "step_stats_without_outputs": "0.28.0",
     "stock_store_skips_handed_on_mamba": "0.30.0",
     "mamba_split_keeps_block_grid": "0.27.0",
@@ -97,40 +98,40 @@ PLANNED_BY_WHEEL = {
     "0.26.0": [
         "scheduler_plugin_config", "nixl_exchange_clip", "nixl_save_meta", "nixl_worker_pairing",
         "connector_hit_reconcile", "junction_coordinator", "mamba_split_keeps_block_grid", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "step_stats_without_outputs",
+        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step", "step_stats_without_outputs",
     ],
     "0.27.1": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "truncate_mamba_lookup", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "step_stats_without_outputs",
+        "mamba_allocated_mark", "mamba_chunk_count_capped", "boundary_handoff_publish", "truncate_mamba_lookup", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step", "step_stats_without_outputs",
     ],
     "0.28.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_boundary_handoffs",
-        "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "mamba_chunk_count_capped", "boundary_handoff_publish", "prompt_tail_keyed_once", "stock_store_skips_handed_on_mamba", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split",
         "prompt_tail_manager", "prompt_tail_attention", "divergence_attention_keys", "output_checkpoint_bind",
-        "divergence_bind", "output_checkpoint_manager", "stock_store_skips_handed_on_mamba", "async_load_liveness", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "divergence_bind", "output_checkpoint_manager", "stock_store_skips_handed_on_mamba", "async_load_liveness", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.30.0": [
         "scheduler_plugin_config", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
         "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
-        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills",
+        "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
 }
 

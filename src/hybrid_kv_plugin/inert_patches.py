@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
 # Patched methods that run per request per step (the second: per async admission; the third: per
-# step), with a per-engine option.
-SCHEDULER_METHODS = ("_mamba_block_aligned_split", "_inflight_prefill_reserved_blocks", "schedule")
+# step; the fourth: per in-flight prefill per admission), with a per-engine option.
+SCHEDULER_METHODS = ("_mamba_block_aligned_split", "_inflight_prefill_reserved_blocks", "schedule", "_request_remaining_blocks")
 # Patched Mamba-manager methods that run per group per step (cache_blocks calls the second; the
 # scheduler's block counts call the third).
 MAMBA_MANAGER_METHODS = ("cache_blocks", "_cache_partial_tail_block", "get_num_blocks_to_allocate")

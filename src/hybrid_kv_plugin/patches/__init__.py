@@ -54,6 +54,7 @@ from hybrid_kv_plugin.patches import (
     prompt_tail_manager,
     prompt_tail_retention,
     prompt_tail_split,
+    remaining_blocks_once_per_step,
     same_step_copy_chains,
     scheduler_plugin_config,
     step_stats_without_outputs,
@@ -75,7 +76,8 @@ if TYPE_CHECKING:
 # prompt_tail_keyed_once;
 # divergence_attention_keys wraps prompt_tail_attention; admission_reserves_running_prefills wraps
 # local_hit_admission's allocate_slots, outermost so that an engine it is inert for binds past it;
-# junction_reservation wraps async_load_landing_reservation),
+# junction_reservation wraps async_load_landing_reservation; remaining_blocks_once_per_step's schedule
+# wraps async_load_liveness, outermost so that an engine it is inert for binds past it),
 # and uninstall in reverse.
 PATCH_MODULES: tuple[ModuleType, ...] = (
     scheduler_plugin_config,
@@ -110,6 +112,7 @@ PATCH_MODULES: tuple[ModuleType, ...] = (
     same_step_copy_chains,
     local_hit_admission,
     admission_reserves_running_prefills,
+    remaining_blocks_once_per_step,
     step_stats_without_outputs,
 )
 
