@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
+from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec, ReadsFingerprint
 from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live, reserves_running_prefills
 
 if TYPE_CHECKING:
@@ -78,7 +78,12 @@ def specs(adapter: VllmAdapter) -> list[PatchSpec]:
         PatchSpec(
             name="remaining_blocks_once_per_step.reset",
             target=f"{SCHEDULER}.schedule",
-            fingerprint=Fingerprint(params=("self", "throttle_prefills")),
+            # The stock step must still ask for the async-load reservation (the sum the record serves).
+            fingerprint=ReadsFingerprint(
+                params=("self", "throttle_prefills"),
+                self_reads=frozenset({"_inflight_prefill_reserved_blocks", "kv_cache_manager"}),
+                at_least=True,
+            ),
             build=_wrap_reset,
             **common,
         ),
