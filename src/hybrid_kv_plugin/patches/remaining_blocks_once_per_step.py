@@ -11,8 +11,8 @@ the same requests are counted again at every admission of the step: measured wit
 ``hybrid-kv bench --async-scheduling``, 0.33.0, 2,015 requests, 31,677 counts
 against stock's 18,343, about 4.4 M of the plugin's 8.6 M extra bytecodes.
 
-What it changes, on schedulers that admit async KV loads (a connector) or reserve
-the running prefills (``scheduler_kind.reserves_running_prefills``), with the
+What it changes, on schedulers with a KV connector (the only ones that admit async
+loads, or defer their frees and so reserve the running prefills), with the
 plugin's ``async_load_liveness`` switch on (the default; off, the engine runs vLLM's
 own count, as the rest of that fix); every other engine is bound past both wrappers:
 
@@ -46,7 +46,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec, ReadsFingerprint
-from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live, reserves_running_prefills
+from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
@@ -91,11 +91,12 @@ def specs(adapter: VllmAdapter) -> list[PatchSpec]:
 
 
 def counts_remaining_blocks(scheduler: Any) -> bool:
-    """Whether ``scheduler``'s admissions sum remaining blocks (it admits async KV loads through a
-    connector, or reserves its running prefills) with the ``async_load_liveness`` switch on."""
-    return keeps_async_loads_live(scheduler) and (
-        getattr(scheduler, "connector", None) is not None or reserves_running_prefills(scheduler)
-    )
+    """Whether ``scheduler``'s admissions sum remaining blocks, with the ``async_load_liveness`` switch on.
+
+    Only a scheduler with a KV connector does: it admits async loads, and only it can defer its
+    frees, so the running-prefill reservation (``scheduler_kind.reserves_running_prefills``) needs one too.
+    """
+    return keeps_async_loads_live(scheduler) and getattr(scheduler, "connector", None) is not None
 
 
 def _wrap_count(original: Any) -> Any:
