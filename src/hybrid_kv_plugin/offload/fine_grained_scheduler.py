@@ -36,7 +36,9 @@ Python call per read, and these loops run for every scheduled request each step.
 Likewise "is this key cached on CPU" is a membership test on the CPU map's dict
 (``BlockHashToBlockMap._cache``, which holds only present keys) rather than a
 ``get_one_block`` call per candidate block. :meth:`FineGrainedOffloadScheduler.adopt`
-checks both exist.
+checks both exist. Lists built per block (a hit's pinned blocks, a load's sources and
+destinations, the blocks a store allocates, touches and frees) go through C iterators
+(``map``, ``compress``, ``filterfalse``) rather than comprehensions.
 
 The connector adopts the object the stock connector constructs (see
 :meth:`FineGrainedOffloadScheduler.adopt`), so the wheel's own option parsing
@@ -49,6 +51,8 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, compress, filterfalse
+from operator import attrgetter, not_
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
@@ -105,6 +109,15 @@ _new_staged_block = functools.partial(tuple.__new__, StagedBlock)
 _NEVER = 1 << 62
 # The KVCacheBlock slots the per-block loops read (see the module docstring).
 HASH_SLOTS = ("_block_hash", "_block_hash_num_tokens")
+# Per-block reads done in C (``map``/``filterfalse``): these run for every block a hit,
+# a load or a store moves, and a comprehension costs a Python frame plus bytecodes per block.
+_IS_NULL = attrgetter("is_null")
+_BLOCK_ID = attrgetter("block_id")
+
+
+def _pinned_blocks(hit_blocks: Iterable[Iterable[KVCacheBlock]]) -> list[KVCacheBlock]:
+    """The real blocks of a hit, every group in order (a Mamba group's unneeded states are null)."""
+    return list(filterfalse(_IS_NULL, chain.from_iterable(hit_blocks)))
 
 
 @dataclass
@@ -268,7 +281,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         blocks, hit_tokens, *_ = self.cpu_coordinator.find_longest_cache_hit(remaining, limit)
         if hit_tokens <= 0:
             return 0, False
-        self.cpu_block_pool.touch([b for group in blocks for b in group if not b.is_null])
+        self.cpu_block_pool.touch(_pinned_blocks(blocks))
         self._pending_cpu_hits[request.request_id] = PendingCpuHit(blocks, hit_tokens, num_computed_tokens)
         return hit_tokens, True
 
@@ -304,30 +317,30 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         released: list[KVCacheBlock] = []
         for g, size in enumerate(self.group_block_sizes):
             # A fine-grained hit may end inside this group's last block: round up.
-            wanted = cdiv(num_external_tokens, size)
+            wanted = -(-num_external_tokens // size)
             first_slot = pending.local_tokens // size
             group_blocks = pending.blocks[g]
-            row = table[g]
-            for slot, cpu_block in enumerate(group_blocks[:wanted], first_slot):
-                if cpu_block.is_null:  # a Mamba state that is not needed, or padding
-                    continue
-                gpu_ids.append(row[slot])
-                source_ids.append(cpu_block.block_id)
+            loaded = group_blocks[:wanted]
+            # Null entries (a Mamba state that is not needed, or padding) load nothing.
+            real = list(map(not_, map(_IS_NULL, loaded)))
+            destinations = table[g][first_slot : first_slot + len(real)]
+            assert len(destinations) == len(real), "the allocation must cover every block loaded"
+            gpu_ids.extend(compress(destinations, real))
+            source_ids.extend(compress(map(_BLOCK_ID, loaded), real))
             if len(group_blocks) > wanted:
-                released.extend(b for b in group_blocks[wanted:] if not b.is_null)
+                released.extend(filterfalse(_IS_NULL, group_blocks[wanted:]))
         if released:
             self.cpu_block_pool.free_blocks(released)
         gpu_pool = self._gpu_block_pool
         assert gpu_pool is not None
-        gpu_blocks = gpu_pool.blocks  # read once, not per block
-        gpu_pool.touch([gpu_blocks[i] for i in gpu_ids])
+        gpu_pool.touch(list(map(gpu_pool.blocks.__getitem__, gpu_ids)))
         assert req_id not in self._reqs_to_load
         self._reqs_to_load[req_id] = LoadRequestState(
             request=request, transfer_meta=TransferMeta(gpu_ids, source_ids)
         )
 
     def _free_pending_cpu_hit(self, pending: Any) -> None:
-        pinned = [b for group in pending[0] for b in group if not b.is_null]
+        pinned = _pinned_blocks(pending[0])
         if pinned:
             self.cpu_block_pool.free_blocks(pinned)
 
@@ -397,22 +410,21 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             staged = batch.blocks
             staged_ids = batch.gpu_block_ids
             events = self.enable_kv_cache_events
-            for index in range(start, stop):
-                block = gpu_blocks[ids[index]]
+            room = batch.room - len(staged)  # CPU blocks this batch may still take
+            for index, block in enumerate(map(gpu_blocks.__getitem__, ids[start:stop]), start):
                 if block.is_null:
                     continue
                 key = block._block_hash
-                block_id = block.block_id
-                if (
-                    key is None
-                    or block_id in in_flight
-                    or key in staged_keys
-                    or key in cpu_cached
-                ):
+                # Cheapest tests first; the usual skip is a block already on the CPU tier.
+                if key is None or key in cpu_cached or key in staged_keys:
                     continue
-                if len(staged) >= batch.room:
+                block_id = block.block_id
+                if block_id in in_flight:
+                    continue
+                if room <= 0:
                     cursors[g] = index
                     return 0  # out of CPU space: retry from here next step
+                room -= 1
                 if block_id in secondary_keys:
                     keys = self._keys_of(block)
                 else:
@@ -502,9 +514,9 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
                 state.num_stored_blocks = [0] * len(table)
                 state.scan_from = 0
             if new_ids:
-                for g, ids in enumerate(new_ids):
-                    if ids and g < len(table):
-                        table[g].extend(ids)
+                for row, ids in zip(table, new_ids):
+                    if ids:
+                        row.extend(ids)
             if not scheduled.get(req_id, 0):
                 continue
             request = state.request
@@ -539,9 +551,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         if batch.blocks:
             gpu_pool = self._gpu_block_pool
             assert gpu_pool is not None
-            batch.cpu_block_ids = [b.block_id for b in self.cpu_block_pool.get_new_blocks(len(batch.blocks))]
-            gpu_blocks = gpu_pool.blocks  # read once, not per block
-            gpu_pool.touch([gpu_blocks[i] for i in batch.gpu_block_ids])
+            batch.cpu_block_ids = list(map(_BLOCK_ID, self.cpu_block_pool.get_new_blocks(len(batch.blocks))))
+            gpu_pool.touch(list(map(gpu_pool.blocks.__getitem__, batch.gpu_block_ids)))
         return batch
 
     def prepare_store_specs(self, scheduler_output: Any) -> tuple[list[int], list[int], list[str]]:
@@ -647,8 +658,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         """Make the copies findable under their sources' keys, then drop the transfer's references."""
         assert len(staged) == len(transfer.cpu_block_ids) == len(transfer.gpu_block_ids)
         cpu_pool = self.cpu_block_pool
-        pool_blocks = cpu_pool.blocks  # read once, not per block
-        cpu_blocks = [pool_blocks[i] for i in transfer.cpu_block_ids]
+        cpu_blocks = list(map(cpu_pool.blocks.__getitem__, transfer.cpu_block_ids))
         insert = cpu_pool._insert_block_hash
         cache_map = cpu_pool.cached_block_hash_to_block
         cached = cache_map._cache
@@ -658,8 +668,8 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
             if len(keys) == 1 and cpu_block._block_hash is None:
                 # The usual record, one key, on a block fresh from the free list (no key, in
                 # no map entry): what ``_insert_block_hash`` does there, without its checks.
-                key = keys[0][0]
-                cpu_block._block_hash, cpu_block._block_hash_num_tokens = keys[0]
+                ((key, cpu_block._block_hash_num_tokens),) = keys
+                cpu_block._block_hash = key
                 # A key no other copy holds is one dict entry (no map call); else the map merges.
                 if cached.setdefault(key, cpu_block) is not cpu_block:
                     cache_map.insert(key, cpu_block)
@@ -671,8 +681,7 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         cpu_pool.free_blocks(cpu_blocks)  # cached, evictable
         gpu_pool = self._gpu_block_pool
         assert gpu_pool is not None
-        gpu_blocks = gpu_pool.blocks
-        gpu_pool.free_blocks([gpu_blocks[i] for i in transfer.gpu_block_ids])  # a list: cheaper than a generator
+        gpu_pool.free_blocks(list(map(gpu_pool.blocks.__getitem__, transfer.gpu_block_ids)))
 
     def _stored_events(self, record: StagedBlock) -> Iterable[BlockStored]:
         for key, num_tokens in record.keys:

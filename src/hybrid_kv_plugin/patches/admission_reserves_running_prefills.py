@@ -39,6 +39,8 @@ wheel 0.26.0-0.33.x; to be removed from the first wheel whose soak runs under
 from __future__ import annotations
 
 import functools
+from itertools import compress
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
@@ -60,6 +62,7 @@ RESERVED_BLOCKS_POSITION = PARAMS.index("reserved_blocks") - 3
 FEATURE = "async_load_liveness"
 # Every supported wheel defers frees under overlapping batches and reserves for async loads.
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
+_STATUS = attrgetter("status")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -79,12 +82,12 @@ def running_prefills_need(scheduler: Any, running: Any) -> int:
 
     Runs once per admission attempt; the wheel's own per-request count
     (``_request_remaining_blocks``, the whole-sequence count with the admission cap).
+    ``running`` is ``RequestStatus.RUNNING``, an IntEnum, so its ``__eq__`` runs in C.
     """
-    return sum(
-        scheduler._request_remaining_blocks(request)
-        for request in scheduler._inflight_prefills
-        if request.status == running
-    )
+    prefills = list(scheduler._inflight_prefills)
+    # Filtered and counted through C iterators (no generator frame per prefill).
+    running_ones = compress(prefills, map(running.__eq__, map(_STATUS, prefills)))
+    return sum(map(scheduler._request_remaining_blocks, running_ones))
 
 
 def _wrap(original: Any) -> Any:

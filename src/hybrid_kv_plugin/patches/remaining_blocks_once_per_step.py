@@ -56,7 +56,8 @@ SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 FEATURE = "async_load_liveness"
 # With admission_reserves_running_prefills: every supported wheel.
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
-# The scheduler attribute holding this step's record: request -> ((status, computed tokens), count).
+# The scheduler attribute holding this step's record: (request, status, computed tokens) -> count.
+# The wrappers spell it out: a plain attribute access is one instruction, getattr/setattr five.
 RECORD = "_hybrid_kv_remaining_blocks_this_step"
 
 
@@ -102,15 +103,17 @@ def counts_remaining_blocks(scheduler: Any) -> bool:
 def _wrap_count(original: Any) -> Any:
     @functools.wraps(original)
     def _request_remaining_blocks(self: Any, request: Any) -> int:
-        record = getattr(self, RECORD, None)
+        try:
+            record = self._hybrid_kv_remaining_blocks_this_step
+        except AttributeError:  # before the first step
+            record = None
         if record is None:  # asked outside a step
             return original(self, request)
-        state = (request.status, request.num_computed_tokens)
-        known = record.get(request)
-        if known is not None and known[0] == state:
-            return known[1]
-        count = original(self, request)
-        record[request] = (state, count)
+        # One dict probe: the status (an IntEnum, hashed in C) and computed tokens are part of the key.
+        key = (request, request.status, request.num_computed_tokens)
+        count = record.get(key)
+        if count is None:
+            count = record[key] = original(self, request)
         return count
 
     return _request_remaining_blocks
@@ -119,13 +122,13 @@ def _wrap_count(original: Any) -> Any:
 def _wrap_reset(original: Any) -> Any:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        setattr(self, RECORD, {})
+        self._hybrid_kv_remaining_blocks_this_step = {}
         try:
             if args or kwargs:
                 return original(self, *args, **kwargs)
             return original(self)  # a plain call: no argument tuple and dict to build
         finally:
             # Outside a step the wheel's method answers: the record holds only this step's counts.
-            setattr(self, RECORD, None)
+            self._hybrid_kv_remaining_blocks_this_step = None
 
     return schedule
