@@ -829,7 +829,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "patches/remaining_blocks_once_per_step.py",
         "        self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            self._hybrid_kv_remaining_blocks_this_step = None\n",
         # The first step's record is kept for good: later steps answer from earlier ones' counts.
-        "        if getattr(self, RECORD, None) is None:\n            self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
+        "        if getattr(self, \"_hybrid_kv_remaining_blocks_this_step\", None) is None:\n            self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
         ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
         ("0.33.0",),
     ),

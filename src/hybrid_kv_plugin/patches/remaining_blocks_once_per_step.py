@@ -56,9 +56,9 @@ SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 FEATURE = "async_load_liveness"
 # With admission_reserves_running_prefills: every supported wheel.
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
-# The scheduler attribute holding this step's record: (request, status, computed tokens) -> count.
-# The wrappers spell it out: a plain attribute access is one instruction, getattr/setattr five.
-RECORD = "_hybrid_kv_remaining_blocks_this_step"
+# This step's record lives in the scheduler attribute ``_hybrid_kv_remaining_blocks_this_step``:
+# (request, status, computed tokens) -> count. Read and set as a plain attribute (one instruction;
+# getattr/setattr with a name constant take five).
 
 
 def specs(adapter: VllmAdapter) -> list[PatchSpec]:
