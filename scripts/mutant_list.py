@@ -153,7 +153,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "admission-reserves-for-waiting-loads",
         "patches/admission_reserves_running_prefills.py",
-        "    running_ones = compress(prefills, map(running.__eq__, map(_STATUS, prefills)))\n",
+        "    running_ones = requests_in_status(prefills, running)\n",
         # Requests that wait themselves (loads in flight or landed) reserved too: a landed load at the
         # queue's head reserves against itself and nothing runs again.
         "    running_ones = prefills\n",

@@ -51,6 +51,8 @@ def _build(stock: type, tracks_producers: bool) -> type:
         # Set by the coordinator from its JunctionPlan; class defaults keep stock behaviour.
         junction_enabled = False
         lowers_prompt_tail = False
+        # The hash unit while junction_enabled, else 0: the partial-tail call tests its grid inline.
+        added_checkpoint_unit = 0
         # Replay boundaries handed over by the coordinator for the cache_blocks call in flight.
         replay_handoff: tuple[int, ...] | None = None
         # The owning scheduler's live requests by id (set with the plan): the block counts
@@ -64,6 +66,7 @@ def _build(stock: type, tracks_producers: bool) -> type:
                 plan.enabled and self.mamba_cache_mode == "align" and self.block_size > self.block_pool.hash_block_size
             )
             self.lowers_prompt_tail = self.junction_enabled and plan.lowered_tail and self.use_eagle
+            self.added_checkpoint_unit = self.block_pool.hash_block_size if self.junction_enabled else 0
             self.live_requests = live_requests
 
         # Stock methods are looked up on ``stock`` at call time, not via ``super()`` (the
@@ -114,7 +117,7 @@ def _build(stock: type, tracks_producers: bool) -> type:
 
         def _is_added_checkpoint(self, request: Any, num_tokens: int) -> bool:
             # Asked only with ``junction_enabled``: an align manager with sub-block hash positions.
-            unit = self.block_pool.hash_block_size
+            unit = self.added_checkpoint_unit
             # Only sub-block positions on the hash grid: block ends are full-block entries.
             if num_tokens % unit or num_tokens % self.block_size == 0:
                 return False
@@ -146,7 +149,10 @@ def _partial_tail_method(stock: type, next_method: Any) -> Any:
     """
 
     def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> Any:
-        if self.junction_enabled and self._is_added_checkpoint(request, num_tokens):
+        # Called at every cached chunk end and decode, mostly off the hash grid: that test runs
+        # here, before a call (the unit is 0 while the junction is closed).
+        unit = self.added_checkpoint_unit
+        if unit and not num_tokens % unit and self._is_added_checkpoint(request, num_tokens):
             return self._checkpoint_partial_state(request, num_tokens)
         return (next_method or stock._cache_partial_tail_block)(self, request, num_tokens)
 

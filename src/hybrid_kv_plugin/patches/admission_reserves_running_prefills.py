@@ -39,11 +39,10 @@ wheel 0.26.0-0.33.x; to be removed from the first wheel whose soak runs under
 from __future__ import annotations
 
 import functools
-from itertools import compress
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
+from hybrid_kv_plugin.request_status import requests_in_status
 from hybrid_kv_plugin.scheduler_kind import reserving_scheduler_of, reserves_running_prefills
 
 if TYPE_CHECKING:
@@ -62,7 +61,6 @@ RESERVED_BLOCKS_POSITION = PARAMS.index("reserved_blocks") - 3
 FEATURE = "async_load_liveness"
 # Every supported wheel defers frees under overlapping batches and reserves for async loads.
 INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
-_STATUS = attrgetter("status")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -86,7 +84,7 @@ def running_prefills_need(scheduler: Any, running: Any) -> int:
     """
     prefills = list(scheduler._inflight_prefills)
     # Filtered and counted through C iterators (no generator frame per prefill).
-    running_ones = compress(prefills, map(running.__eq__, map(_STATUS, prefills)))
+    running_ones = requests_in_status(prefills, running)
     return sum(map(scheduler._request_remaining_blocks, running_ones))
 
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import functools
 import operator
-from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.request_status import requests_in_status
 from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 # Blocks a Mamba align group asks for in the step after a state is kept inside a block: the
 # copy-on-write block and the running state's block (vLLM's MambaManager estimate).
 LANDING_COPY_BLOCKS = 2
-_status = operator.attrgetter("status")
 _computed = operator.attrgetter("num_computed_tokens")
 
 
@@ -82,7 +81,7 @@ def landing_copy_blocks(kv_cache_manager: Any, requests: Any, waiting_for_load: 
     the wheel's own per-request need). Runs once per async admission over every in-flight
     prefill, most of them running chunks: the loads are picked out and counted in C.
     """
-    loads = list(compress(requests, map(waiting_for_load.__eq__, map(_status, requests))))
+    loads = list(requests_in_status(requests, waiting_for_load))
     if not loads:
         return 0
     computed = list(map(_computed, loads))
