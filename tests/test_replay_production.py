@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_kv_plugin.cli.main import console_main, main
-from hybrid_kv_plugin.cli.replay import MODEL_GEOMETRY_FIELDS, settings_for_model
+from hybrid_kv_plugin.cli.replay_inputs import MODEL_GEOMETRY_FIELDS, settings_for_model
 from hybrid_kv_plugin.sim.geometry import data_dir
 from hybrid_kv_plugin.models.geometry import ServeLine, resolve
 from hybrid_kv_plugin.sim.mooncake import load_mooncake

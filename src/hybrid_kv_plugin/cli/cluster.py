@@ -104,7 +104,6 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     out = out or sys.stdout
     from hybrid_kv_plugin.cli import replay_inputs as inputs
     from hybrid_kv_plugin.cli.args import choose_configs, settings_from
-    from hybrid_kv_plugin.cli.replay import add_input_notes, load_segments, prepare_inputs
     from hybrid_kv_plugin.sim.cluster import ClusterInputError, replay_cluster, route
     from hybrid_kv_plugin.sim.mooncake import TimedSegment
 
@@ -113,13 +112,13 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
         inputs.check_flags(args)
     except inputs.InputError as exc:
         raise SystemExit(str(exc)) from None
-    segments = load_segments(args)
+    segments = inputs.load_segments(args)
     if len(segments) != 1 or not isinstance(segments[0], TimedSegment):
         _fail("--engines N > 1 replays a Mooncake trace (timestamps clock the engines); this trace is in the project's format")
     settings = settings_from(args)
     configs = choose_configs(args.configs or "plugin", segments)
     try:
-        model, settings, segments, refused, pool_notes = prepare_inputs(args, settings, segments)
+        model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
     except inputs.InputError as exc:
         raise SystemExit(str(exc)) from None
     segment = segments[0]
@@ -175,7 +174,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     }
     if parents is not None:
         report["conversations"] = sum(p < 0 for p in parents)
-    add_input_notes(report, refused, pool_notes, model)
+    inputs.add_input_notes(report, refused, pool_notes, model)
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
     else:

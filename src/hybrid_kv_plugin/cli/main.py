@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 import textwrap
@@ -12,6 +11,8 @@ import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from hybrid_kv_plugin.cli.vllm_logs import route_vllm_logs
 
 DESCRIPTION = """\
 hybrid-kv: check and measure the hybrid-kv vLLM plugin on this machine's vLLM.
@@ -127,14 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cli.add_arguments(bench)
     return parser
-
-
-def route_vllm_logs() -> None:
-    """Before anything imports vLLM: its start-up chatter only hides the report, and vLLM logs to
-    stdout by default while stdout is the report (``--json`` is parsed by scripts). A user's own
-    settings win."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

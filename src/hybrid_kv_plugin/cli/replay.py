@@ -16,7 +16,6 @@ from hybrid_kv_plugin.cli.args import (
     COLD_REPLAY_CONFIGS,
     DEFAULT_PLUGIN_CONFIGS,
     DEFAULT_STOCK_CONFIGS,
-    SETTINGS_FLAGS,
     add_geometry_arguments,
     choose_configs,
     settings_from,
@@ -83,28 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_segments(args: argparse.Namespace) -> list[Any]:
-    from hybrid_kv_plugin.sim.workload import default_workload, with_eagle
-
-    if args.trace:
-        from hybrid_kv_plugin.cli.replay_inputs import InputError, load_trace_file
-
-        try:
-            segments = load_trace_file(args)
-        except InputError as exc:
-            raise SystemExit(str(exc)) from None
-    else:
-        if args.scale < 1:
-            raise SystemExit("hybrid-kv: --scale must be >= 1")
-        segments = default_workload(seed=args.seed, scale=args.scale)
-    segments = with_eagle(segments, args.eagle)
-    if getattr(args, "cold_replay", False):
-        from hybrid_kv_plugin.sim.cold_replay import cold_replay_segments
-
-        segments = cold_replay_segments(segments)
-    return segments
-
-
 def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if args.compare:
@@ -134,11 +111,11 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         from hybrid_kv_plugin.cli.plot import require_matplotlib
 
         require_matplotlib()
-    segments = load_segments(args)
+    segments = inputs.load_segments(args)
     settings = settings_from(args)
     configs = choose_configs(args.configs, segments, cold_replay=args.cold_replay)
     try:
-        model, settings, segments, refused, pool_notes = prepare_inputs(args, settings, segments)
+        model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
         next_steps = inputs.next_steps(settings, model, args)
     except inputs.InputError as exc:
         raise SystemExit(str(exc)) from None
@@ -167,7 +144,7 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     report["startup_s"] = round(startup, 1)
     for row, timing in zip(report["results"], timings):
         row["timing"] = timing
-    add_input_notes(report, refused, pool_notes, model)
+    inputs.add_input_notes(report, refused, pool_notes, model)
     if getattr(args, "tier_ceiling", False):
         from hybrid_kv_plugin.sim.tier_ceiling import tier_ceiling
 
@@ -226,7 +203,7 @@ def _run_config(segments: list[Any], settings: Any, config: Any, label: str, row
 def _child_run(segments: list[Any], settings: Any, config: Any, label: str, rows: bool) -> tuple[Any, dict[str, Any]]:
     """``--jobs``: one configuration in a process of its own, warmed up there first (its wall time
     and peak RSS are that process's, start-up apart, as in a sequential run)."""
-    from hybrid_kv_plugin.cli.main import route_vllm_logs
+    from hybrid_kv_plugin.cli.vllm_logs import route_vllm_logs
 
     route_vllm_logs()
     _warm_up(config)
@@ -300,64 +277,3 @@ def _timing(seconds: float, requests: int, steps: int, cpu_seconds: float) -> di
         "steps_per_s": round(steps / seconds, 1) if seconds else None,
         "peak_rss_mib": round(peak_kib / 1024),
     }
-
-
-def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any]) -> tuple[Any, Any, list[Any], dict[str, int], list[str]]:
-    """The serve line checked as start-up checks it, the model resolved, the requests vLLM would
-    refuse left out and the pools capped: (model, settings, segments, refused, pool notes).
-    Raises ``InputError`` with the one-line message."""
-    from hybrid_kv_plugin.cli import replay_inputs as inputs
-
-    inputs.check_serve_line(args)
-    model = inputs.resolve_model(args)
-    if model is not None:
-        settings = settings_for_model(settings, model, args)
-    segments, refused = inputs.refuse_too_long(
-        segments, settings.max_model_len or inputs.DEFAULT_MAX_MODEL_LEN, strict=args.strict
-    )
-    pool_notes: list[str] = []
-    if model is not None:
-        settings, pool_notes = inputs.cap_pools(settings, model, segments)
-    return model, settings, segments, refused, pool_notes
-
-
-def add_input_notes(report: dict, refused: dict[str, int], pool_notes: list[str], model: Any) -> None:
-    """What ``prepare_inputs`` found, in the report: requests left out, pool caps, the resolved model."""
-    if refused:
-        report["refused_requests"] = refused
-    if pool_notes:
-        report["pool_notes"] = pool_notes
-    if model is not None:
-        report["model_geometry"] = model.as_dict()
-
-
-def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> Any:
-    """The replay settings of a resolved model: its block sizes, unit, length and pools.
-
-    Explicit geometry flags would contradict the model, so they are refused.
-    """
-    from dataclasses import replace
-
-    from hybrid_kv_plugin.cli.replay_inputs import fail
-    from hybrid_kv_plugin.sim.replay import ReplaySettings
-
-    given = [SETTINGS_FLAGS[n] for n in MODEL_GEOMETRY_FIELDS if getattr(args, n) != getattr(ReplaySettings, n)]
-    if given:
-        fail(f"{', '.join(given)} conflict(s) with the model's resolved geometry; put cache flags in the serve line after --")
-    return replace(
-        settings,
-        attention_block_size=model.attention_block_size,
-        mamba_block_size=model.mamba_block_size,
-        hash_block_size=model.hash_block_size,
-        mamba_cache_mode=model.mamba_cache_mode,
-        gpu_blocks=model.gpu_blocks,
-        cpu_blocks=model.cpu_blocks,
-        max_model_len=model.max_model_len,
-        max_num_batched_tokens=model.max_num_batched_tokens,
-        max_num_seqs=model.max_num_seqs,
-        mamba_groups=model.mamba_groups,
-    )
-
-
-# The settings a resolved model decides; a flag that sets one of them contradicts the model.
-MODEL_GEOMETRY_FIELDS = ("attention_block_size", "mamba_block_size", "hash_block_size", "gpu_blocks", "cpu_blocks")

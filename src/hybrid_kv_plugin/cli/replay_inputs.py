@@ -1,7 +1,8 @@
-"""What ``hybrid-kv replay`` reads before anything runs: the trace (either format), the
-model geometry (``--model DIR`` or a serve line after ``--``), and their checks: the serve
-line as ``doctor`` checks it, the requests vLLM would refuse, pools cut to what the trace
-can take, and the next step when the prefix-match unit leaves the plugin nothing to do.
+"""What ``hybrid-kv replay`` (one engine, or ``--engines N``) reads before anything runs: the
+trace (either format) or the embedded workload, the model geometry (``--model DIR`` or a serve
+line after ``--``), and their checks: the serve line as ``doctor`` checks it, the requests vLLM
+would refuse, pools cut to what the trace can take, and the next step when the prefix-match
+unit leaves the plugin nothing to do.
 
 Every bad input ends as ``SystemExit("hybrid-kv: ...")`` (one line, exit 2 via
 :func:`fail`); the checks that need no vLLM run before vLLM is imported.
@@ -14,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from hybrid_kv_plugin.cli.args import SETTINGS_FLAGS
 from hybrid_kv_plugin.models.geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
 
 
@@ -315,3 +317,79 @@ def _finer_unit(model: Any, args: argparse.Namespace) -> Any:
         return finer_unit(parse_serve_line(line) if line else ServeLine(model=args.model), model)
     except GeometryError:
         return None
+
+
+def load_segments(args: argparse.Namespace) -> list[Any]:
+    from hybrid_kv_plugin.sim.workload import default_workload, with_eagle
+
+    if args.trace:
+        try:
+            segments = load_trace_file(args)
+        except InputError as exc:
+            raise SystemExit(str(exc)) from None
+    else:
+        if args.scale < 1:
+            raise SystemExit("hybrid-kv: --scale must be >= 1")
+        segments = default_workload(seed=args.seed, scale=args.scale)
+    segments = with_eagle(segments, args.eagle)
+    if getattr(args, "cold_replay", False):
+        from hybrid_kv_plugin.sim.cold_replay import cold_replay_segments
+
+        segments = cold_replay_segments(segments)
+    return segments
+
+
+def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any]) -> tuple[Any, Any, list[Any], dict[str, int], list[str]]:
+    """The serve line checked as start-up checks it, the model resolved, the requests vLLM would
+    refuse left out and the pools capped: (model, settings, segments, refused, pool notes).
+    Raises ``InputError`` with the one-line message."""
+    check_serve_line(args)
+    model = resolve_model(args)
+    if model is not None:
+        settings = settings_for_model(settings, model, args)
+    segments, refused = refuse_too_long(segments, settings.max_model_len or DEFAULT_MAX_MODEL_LEN, strict=args.strict)
+    pool_notes: list[str] = []
+    if model is not None:
+        settings, pool_notes = cap_pools(settings, model, segments)
+    return model, settings, segments, refused, pool_notes
+
+
+def add_input_notes(report: dict, refused: dict[str, int], pool_notes: list[str], model: Any) -> None:
+    """What ``prepare_inputs`` found, in the report: requests left out, pool caps, the resolved model."""
+    if refused:
+        report["refused_requests"] = refused
+    if pool_notes:
+        report["pool_notes"] = pool_notes
+    if model is not None:
+        report["model_geometry"] = model.as_dict()
+
+
+def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> Any:
+    """The replay settings of a resolved model: its block sizes, unit, length and pools.
+
+    Explicit geometry flags would contradict the model, so they are refused.
+    """
+    from dataclasses import replace
+
+    from hybrid_kv_plugin.sim.replay import ReplaySettings
+
+    given = [SETTINGS_FLAGS[n] for n in MODEL_GEOMETRY_FIELDS if getattr(args, n) != getattr(ReplaySettings, n)]
+    if given:
+        fail(f"{', '.join(given)} conflict(s) with the model's resolved geometry; put cache flags in the serve line after --")
+    return replace(
+        settings,
+        attention_block_size=model.attention_block_size,
+        mamba_block_size=model.mamba_block_size,
+        hash_block_size=model.hash_block_size,
+        mamba_cache_mode=model.mamba_cache_mode,
+        gpu_blocks=model.gpu_blocks,
+        cpu_blocks=model.cpu_blocks,
+        max_model_len=model.max_model_len,
+        max_num_batched_tokens=model.max_num_batched_tokens,
+        max_num_seqs=model.max_num_seqs,
+        mamba_groups=model.mamba_groups,
+    )
+
+
+# The settings a resolved model decides; a flag that sets one of them contradicts the model.
+MODEL_GEOMETRY_FIELDS = ("attention_block_size", "mamba_block_size", "hash_block_size", "gpu_blocks", "cpu_blocks")

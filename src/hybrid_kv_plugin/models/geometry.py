@@ -197,7 +197,7 @@ def _unit_hint(serve: ServeLine, gpu_kv_bytes: int | None, cpu_bytes: int | None
         plain = resolve(replace(serve, prefix_match_unit=None), gpu_kv_bytes=gpu_kv_bytes, cpu_bytes=cpu_bytes)
     except GeometryError:
         return ""  # refused for another reason too; vLLM's line stands alone
-    from hybrid_kv_plugin.models.unit_advice import accepted_units
+    from hybrid_kv_plugin.models.unit_grid import accepted_units
 
     units = accepted_units(plain)
     return (

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hybrid_kv_plugin.models.unit_grid import accepted_units
+
 MIB = 1 << 20
 
 
@@ -33,28 +35,6 @@ class UnitAdvice:
             f"{self.hashes_per_block} prefix hashes per {self.block}-token block instead of 1, and each Mamba "
             f"state kept at a unit boundary is {self.mamba_state_bytes / MIB:.1f} MiB"
         )
-
-
-def _kernel_alignment() -> int:
-    """The attention kernel's block-size grid (FlashAttention, the CUDA default for these models)."""
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-
-    for size in FlashAttentionBackend.get_supported_kernel_block_sizes():
-        base = getattr(size, "base", size)
-        if isinstance(base, int) and base > 0:
-            return base
-    return 16
-
-
-def accepted_units(geometry: Any) -> list[int]:
-    """Units on the kernel grid that divide both resolved blocks, finest first."""
-    step = _kernel_alignment()
-    top = max(geometry.attention_block_size, geometry.mamba_block_size)
-    return [
-        unit
-        for unit in range(step, top + 1, step)
-        if geometry.attention_block_size % unit == 0 and geometry.mamba_block_size % unit == 0
-    ]
 
 
 def finer_unit(serve: Any, geometry: Any) -> UnitAdvice | None:

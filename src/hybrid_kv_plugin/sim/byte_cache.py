@@ -201,15 +201,13 @@ class _Transfer:
 
 
 class ByteCache:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, sampled_token: int) -> None:
         import torch
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
-
         self.engine = engine
         self.torch = torch
-        self.sampled_token = SAMPLED_TOKEN
+        self.sampled_token = sampled_token  # the id the engine samples for every output
         self.attention: list[tuple[int, int]] = []  # (group, block size)
         self.mamba: list[tuple[int, int]] = []  # (group, block size), align mode only
         managers = engine.scheduler.kv_cache_manager.coordinator.single_type_managers

@@ -177,7 +177,7 @@ class SimEngine:
         # The simulated worker's cache contents (sim/byte_cache.py); None: bookkeeping only.
         if byte_check is None:
             byte_check = wheel.byte_check_models(adapter, kv_connector is not None)
-        self.byte_cache: ByteCache | None = ByteCache(self) if byte_check else None
+        self.byte_cache: ByteCache | None = ByteCache(self, SAMPLED_TOKEN) if byte_check else None
 
     # ------------------------------------------------------------------ accessors
     @property
