@@ -448,7 +448,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "output-checkpoint-answer-attention-block-not-stored",
-        "output_checkpoint/offload.py",
+        "attention_partial_block.py",
         "    return answer if answer is not None else request.num_prompt_tokens // hash_block_size * hash_block_size\n",
         "    return request.num_prompt_tokens // hash_block_size * hash_block_size\n",
         # FA 32: the CPU tier has the state at 336 but not the attention block holding it.

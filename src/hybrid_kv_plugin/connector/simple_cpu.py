@@ -18,13 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
     SimpleCPUOffloadConnector,
 )
 
+from hybrid_kv_plugin.attention_partial_block import attention_tail_boundary
 from hybrid_kv_plugin.config import connector_options_from
 from hybrid_kv_plugin.offload.admission import attach_request_end_admission, check_cpu_tier_request_ends
 from hybrid_kv_plugin.offload.eviction import attach_cpu_tier_policy, check_cpu_tier_eviction
 from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
 from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS, BoundaryStoreStats
-from hybrid_kv_plugin.output_checkpoint.offload import attention_tail_boundary
 from hybrid_kv_plugin.registration import current_adapter
 
 

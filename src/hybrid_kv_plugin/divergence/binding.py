@@ -44,7 +44,7 @@ def bind(scheduler: Any, adapter: VllmAdapter) -> JunctionPlan | None:
     else:
         plan = open_native_gate(scheduler, adapter)
     if plan.enabled:
-        from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
+        from hybrid_kv_plugin.attention_partial_block import keyable_inside_blocks
 
         for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
             if keyable_inside_blocks(manager):

@@ -73,9 +73,9 @@ from vllm.v1.simple_kv_offload.manager import (
 )
 
 from hybrid_kv_plugin._log import log_once
+from hybrid_kv_plugin.attention_partial_block import attention_tail_boundary, partial_tail_block
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
-from hybrid_kv_plugin.output_checkpoint.offload import attention_tail_boundary, partial_tail_block
 
 _log = logging.getLogger("vllm.hybrid_kv_plugin")
 

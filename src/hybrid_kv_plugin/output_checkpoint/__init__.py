@@ -15,7 +15,8 @@ Pieces:
   ``align`` Mamba managers after the scheduler is built;
 * :mod:`.rolling` - what one decode boundary does (keep the new state, drop the
   stale one);
-* :mod:`.offload` - which attention partial block the CPU tier stores at finish;
+* :mod:`hybrid_kv_plugin.attention_partial_block` (shared) - which attention partial block
+  the CPU tier stores at finish;
 * patches ``output_checkpoint_bind`` (``Scheduler.__init__``),
   ``output_checkpoint_manager`` (``MambaManager._cache_partial_tail_block``) and
   ``output_checkpoint_offload`` (the SimpleCPU scheduler's partial-tail lookup, 0.30+);

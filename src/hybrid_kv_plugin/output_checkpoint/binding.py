@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
-from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
+from hybrid_kv_plugin.attention_partial_block import keyable_inside_blocks
 from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:

@@ -26,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_kv_plugin.attention_partial_block import ANSWER_STATES_ATTR
 from hybrid_kv_plugin.output_checkpoint.binding import OutputCheckpoint
 from hybrid_kv_plugin.mamba_partial_state import cache_partial_key, keep_partial_state
 
-REQUEST_ATTR = "hybrid_kv_output_states"
+# The request attribute holding its kept states (read by the CPU-tier stores at its finish).
+REQUEST_ATTR = ANSWER_STATES_ATTR
 # Under AsyncScheduler (late_boundary): the step ending at the boundary still runs or its output
 # is still due, and the step being scheduled overwrites the state; or nothing is scheduled past it.
 IN_FLIGHT = "in_flight"

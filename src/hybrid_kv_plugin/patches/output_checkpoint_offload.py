@@ -11,7 +11,7 @@ block 32, unit 16: the next turn's CPU hit after an answer that computed up to
 349 stopped at 320 instead of 336).
 
 What it changes: for a request with a kept answer state
-(:func:`hybrid_kv_plugin.output_checkpoint.offload.last_answer_position`) the block
+(:func:`hybrid_kv_plugin.attention_partial_block.last_answer_position`) the block
 located is the one holding that position, with the same checks as the wheel's
 (keyed there, not a null block, not already stored or in flight); an answer
 position later than the prompt's boundary means the prompt's block is whole and
@@ -28,8 +28,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from hybrid_kv_plugin.output_checkpoint.offload import last_answer_position, partial_tail_block
-from hybrid_kv_plugin.output_checkpoint.rolling import REQUEST_ATTR
+from hybrid_kv_plugin.attention_partial_block import ANSWER_STATES_ATTR, last_answer_position, partial_tail_block
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
@@ -66,7 +65,7 @@ def _wrap(original: Any) -> Any:
     def _find_fa_partial_tail_source(self: Any, request: Any, block_ids: Any) -> int | None:
         # Asked at every request's finish; most kept no answer state (all, with the option
         # off): one attribute test before anything is called.
-        if not getattr(request, REQUEST_ATTR, None):
+        if not getattr(request, ANSWER_STATES_ATTR, None):
             return original(self, request, block_ids)
         answer = last_answer_position(request)
         if answer is None or not self.cpu_coordinator.enable_partial_hash_hits:

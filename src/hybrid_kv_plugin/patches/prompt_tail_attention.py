@@ -29,11 +29,12 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.attention_partial_block import key_attention_block
 from hybrid_kv_plugin.output_checkpoint.binding import MANAGER_ATTR as OUTPUT_CHECKPOINT_ATTR
 from hybrid_kv_plugin.output_checkpoint.binding import output_checkpoint_requested
 from hybrid_kv_plugin.output_checkpoint.rolling import late_boundary
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
-from hybrid_kv_plugin.prompt_tail.attention import add_partial_keys, key_attention_block
+from hybrid_kv_plugin.prompt_tail.attention import add_partial_keys
 from hybrid_kv_plugin.prompt_tail.binding import MANAGER_POLICY_ATTR, prompt_tail_bound
 
 if TYPE_CHECKING:

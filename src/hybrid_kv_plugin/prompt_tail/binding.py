@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin._log import log_once
-from hybrid_kv_plugin.prompt_tail.attention import keyable_inside_blocks
+from hybrid_kv_plugin.attention_partial_block import keyable_inside_blocks
 from hybrid_kv_plugin.prompt_tail.policy import NATIVE, PromptTailPolicy
 
 if TYPE_CHECKING:
