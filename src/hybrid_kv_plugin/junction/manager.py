@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from hybrid_kv_plugin.junction.gate import JunctionPlan, lowered_tail
 from hybrid_kv_plugin.mamba_partial_state import keep_partial_state
 from hybrid_kv_plugin.patching import past_inert_patches
+from hybrid_kv_plugin.request_fields import computed_tokens_of
 from hybrid_kv_plugin.scheduler_kind import outputs_arrive_late
 
 if TYPE_CHECKING:
     from hybrid_kv_plugin.adapters.base import VllmAdapter
 
-_computed = operator.attrgetter("num_computed_tokens")
 _junction = operator.attrgetter("shared_prefix_boundary")
 
 
@@ -216,7 +216,7 @@ def reservation_owed_blocks(kv_cache_manager: Any, requests: Iterable[Any]) -> i
         candidates = (
             requests
             if manager.lowers_prompt_tail
-            else compress(requests, map(operator.lt, map(_computed, requests), map(_junction, requests)))
+            else compress(requests, map(operator.lt, map(computed_tokens_of, requests), map(_junction, requests)))
         )
         owed += sum(manager._junction_block_owed(r.request_id, r.num_computed_tokens) for r in candidates)
     return owed

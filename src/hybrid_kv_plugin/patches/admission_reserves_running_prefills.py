@@ -42,7 +42,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Fingerprint, Installs, PatchSpec
-from hybrid_kv_plugin.request_status import requests_in_status
+from hybrid_kv_plugin.request_fields import requests_in_status
 from hybrid_kv_plugin.scheduler_kind import reserving_scheduler_of, reserves_running_prefills
 
 if TYPE_CHECKING:

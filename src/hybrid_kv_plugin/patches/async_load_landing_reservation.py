@@ -38,7 +38,7 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
-from hybrid_kv_plugin.request_status import requests_in_status
+from hybrid_kv_plugin.request_fields import computed_tokens_of, requests_in_status
 from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ INSTALLS = Installs(when=lambda adapter: True, since="0.26.0")
 # Blocks a Mamba align group asks for in the step after a state is kept inside a block: the
 # copy-on-write block and the running state's block (vLLM's MambaManager estimate).
 LANDING_COPY_BLOCKS = 2
-_computed = operator.attrgetter("num_computed_tokens")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -84,7 +83,7 @@ def landing_copy_blocks(kv_cache_manager: Any, requests: Any, waiting_for_load: 
     loads = list(requests_in_status(requests, waiting_for_load))
     if not loads:
         return 0
-    computed = list(map(_computed, loads))
+    computed = list(map(computed_tokens_of, loads))
     extra = 0
     for manager in kv_cache_manager.coordinator.single_type_managers:
         if getattr(manager, "mamba_cache_mode", None) == "align":

@@ -45,6 +45,7 @@ from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
+from hybrid_kv_plugin.request_fields import computed_tokens_of
 from hybrid_kv_plugin.scheduler_kind import keeps_async_loads_live
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ TARGET = "vllm.v1.core.sched.scheduler:Scheduler.schedule"
 # The feature this patch serves, or vllm_fix (adapters.capabilities; doctor groups by it).
 FEATURE = "async_load_liveness"
 INSTALLS = Installs(when=lambda adapter: adapter.first_waiting_queue_attr is not None, since="0.29.0")
-_computed = operator.attrgetter("num_computed_tokens")
 
 
 def spec(adapter: VllmAdapter) -> PatchSpec:
@@ -102,7 +102,7 @@ def release_stale_reservations(scheduler: Any, adapter: VllmAdapter) -> None:
         return
     # A request with computed tokens holds their blocks; only a failed load resets them to 0
     # (picked out in C: most in-flight prefills are running chunks).
-    unstarted = compress(inflight, map(operator.not_, map(_computed, inflight)))
+    unstarted = compress(inflight, map(operator.not_, map(computed_tokens_of, inflight)))
     stale = [r for r in unstarted if not adapter.request_holds_kv_blocks(scheduler, r.request_id)]
     for request in stale:
         inflight.discard(request)

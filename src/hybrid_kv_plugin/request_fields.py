@@ -1,4 +1,4 @@
-"""Requests picked by status in C: for rules that scan every in-flight prefill at each admission."""
+"""Request fields read in C: for rules that scan many requests at each step or admission."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-_STATUS = attrgetter("status")
+# ``map(computed_tokens_of, requests)``: each request's computed tokens, no Python frame per request.
+computed_tokens_of = attrgetter("num_computed_tokens")
+_status_of = attrgetter("status")
 
 
 def requests_in_status(requests: Collection[Any], status: Any) -> Iterator[Any]:
@@ -17,4 +19,4 @@ def requests_in_status(requests: Collection[Any], status: Any) -> Iterator[Any]:
     frame runs per request. ``requests`` is iterated twice in step, so it must be a list, or
     a set that nothing changes until the result is consumed.
     """
-    return compress(requests, map(status.__eq__, map(_STATUS, requests)))
+    return compress(requests, map(status.__eq__, map(_status_of, requests)))
