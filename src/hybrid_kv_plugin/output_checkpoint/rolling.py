@@ -30,8 +30,6 @@ from hybrid_kv_plugin.attention_partial_block import ANSWER_STATES_ATTR
 from hybrid_kv_plugin.output_checkpoint.binding import OutputCheckpoint
 from hybrid_kv_plugin.mamba_partial_state import cache_partial_key, keep_partial_state
 
-# The request attribute holding its kept states (read by the CPU-tier stores at its finish).
-REQUEST_ATTR = ANSWER_STATES_ATTR
 # Under AsyncScheduler (late_boundary): the step ending at the boundary still runs or its output
 # is still due, and the step being scheduled overwrites the state; or nothing is scheduled past it.
 IN_FLIGHT = "in_flight"
@@ -50,10 +48,10 @@ class KeptState:
 
 
 def kept_states(request: Any, group_id: int) -> list[KeptState]:
-    groups = getattr(request, REQUEST_ATTR, None)
+    groups = getattr(request, ANSWER_STATES_ATTR, None)
     if groups is None:  # setattr, not request.__dict__: see divergence.attention.REQUEST_ATTR
         groups = {}
-        setattr(request, REQUEST_ATTR, groups)
+        setattr(request, ANSWER_STATES_ATTR, groups)
     return groups.setdefault(group_id, [])
 
 
@@ -63,7 +61,7 @@ def note_copies(manager: Any, request: Any) -> None:
     The copy is queued by the allocation that precedes the same step's caching, and
     drained when that step's schedule ends, so each step looks once.
     """
-    states = getattr(request, REQUEST_ATTR, {}).get(manager.kv_cache_group_id)
+    states = getattr(request, ANSWER_STATES_ATTR, {}).get(manager.kv_cache_group_id)
     for state in states or ():
         if state.copy is None:
             for source, copy in manager._pending_cow_copies:
