@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any, TextIO
 
+from hybrid_kv_plugin.cli import replay_inputs as inputs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hybrid_kv_plugin.sim.cluster import ROUTERS, TIERS
@@ -46,10 +48,6 @@ def requested(args: argparse.Namespace) -> bool:
     return args.engines != 1 or args.router is not None or args.cpu_tier is not None or args.baseline
 
 
-def _fail(message: str) -> None:
-    raise SystemExit(f"hybrid-kv: {message}")
-
-
 def _tiers(args: argparse.Namespace) -> list[str]:
     from hybrid_kv_plugin.sim.cluster import TIERS
 
@@ -57,21 +55,21 @@ def _tiers(args: argparse.Namespace) -> list[str]:
         return list(TIERS)
     tiers = [t.strip() for t in args.cpu_tier.split(",") if t.strip()]
     if not tiers or any(t not in TIERS for t in tiers):
-        _fail(f"--cpu-tier {args.cpu_tier!r}: allowed: {', '.join(TIERS)}")
+        inputs.fail(f"--cpu-tier {args.cpu_tier!r}: allowed: {', '.join(TIERS)}")
     return tiers
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """The cluster's own flags, before any file is read."""
     if args.engines < 1:
-        _fail(f"--engines must be >= 1, got {args.engines}")
+        inputs.fail(f"--engines must be >= 1, got {args.engines}")
     if args.engines == 1:
-        _fail("--router, --cpu-tier and --baseline apply to --engines N > 1")
+        inputs.fail("--router, --cpu-tier and --baseline apply to --engines N > 1")
     for flag, given in (("--cold-replay", args.cold_replay), ("--plot", args.plot)):
         if given:
-            _fail(f"{flag} is not available with --engines N > 1")
+            inputs.fail(f"{flag} is not available with --engines N > 1")
     if not args.trace:
-        _fail("--engines N > 1 replays a Mooncake trace (--trace FILE.jsonl): its timestamps clock the engines")
+        inputs.fail("--engines N > 1 replays a Mooncake trace (--trace FILE.jsonl): its timestamps clock the engines")
     _tiers(args)
 
 
@@ -102,25 +100,18 @@ def _parents(args: argparse.Namespace, segment: Any) -> list[int]:
 
 def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from hybrid_kv_plugin.cli import replay_inputs as inputs
     from hybrid_kv_plugin.cli.args import choose_configs, settings_from
     from hybrid_kv_plugin.sim.cluster import ClusterInputError, replay_cluster, route
     from hybrid_kv_plugin.sim.mooncake import TimedSegment
 
     check_flags(args)
-    try:
-        inputs.check_flags(args)
-    except inputs.InputError as exc:
-        raise SystemExit(str(exc)) from None
+    inputs.check_flags(args)
     segments = inputs.load_segments(args)
     if len(segments) != 1 or not isinstance(segments[0], TimedSegment):
-        _fail("--engines N > 1 replays a Mooncake trace (timestamps clock the engines); this trace is in the project's format")
+        inputs.fail("--engines N > 1 replays a Mooncake trace (timestamps clock the engines); this trace is in the project's format")
     settings = settings_from(args)
     configs = choose_configs(args.configs or "plugin", segments)
-    try:
-        model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
-    except inputs.InputError as exc:
-        raise SystemExit(str(exc)) from None
+    model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
     segment = segments[0]
     router = args.router or "round-robin"
     parents = _parents(args, segment) if router == "session" else None
@@ -132,7 +123,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     try:
         assignment = route(len(segment.requests), args.engines, router, parents)
     except ClusterInputError as exc:
-        _fail(str(exc))
+        inputs.fail(str(exc))
     from dataclasses import replace
 
     from hybrid_kv_plugin.cli.progress import Progress

@@ -103,10 +103,7 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     started = _wall()
     from hybrid_kv_plugin.cli import replay_inputs as inputs
 
-    try:
-        inputs.check_flags(args)
-    except inputs.InputError as exc:
-        raise SystemExit(str(exc)) from None
+    inputs.check_flags(args)
     if args.plot:
         from hybrid_kv_plugin.cli.plot import require_matplotlib
 
@@ -114,11 +111,8 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     segments = inputs.load_segments(args)
     settings = settings_from(args)
     configs = choose_configs(args.configs, segments, cold_replay=args.cold_replay)
-    try:
-        model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
-        next_steps = inputs.next_steps(settings, model, args)
-    except inputs.InputError as exc:
-        raise SystemExit(str(exc)) from None
+    model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
+    next_steps = inputs.next_steps(settings, model, args)
     for note in pool_notes:
         if "warning" in note:
             print(f"hybrid-kv: {note}", file=sys.stderr)

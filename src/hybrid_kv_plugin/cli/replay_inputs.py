@@ -19,12 +19,8 @@ from hybrid_kv_plugin.cli.args import SETTINGS_FLAGS
 from hybrid_kv_plugin.models.geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
 
 
-class InputError(Exception):
-    """A bad input: the message is the whole (one-line) answer."""
-
-
 def fail(message: str) -> NoReturn:
-    raise InputError(f"hybrid-kv: {message}")
+    raise SystemExit(f"hybrid-kv: {message}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -323,13 +319,10 @@ def load_segments(args: argparse.Namespace) -> list[Any]:
     from hybrid_kv_plugin.sim.workload import default_workload, with_eagle
 
     if args.trace:
-        try:
-            segments = load_trace_file(args)
-        except InputError as exc:
-            raise SystemExit(str(exc)) from None
+        segments = load_trace_file(args)
     else:
         if args.scale < 1:
-            raise SystemExit("hybrid-kv: --scale must be >= 1")
+            fail("--scale must be >= 1")
         segments = default_workload(seed=args.seed, scale=args.scale)
     segments = with_eagle(segments, args.eagle)
     if getattr(args, "cold_replay", False):
@@ -342,7 +335,7 @@ def load_segments(args: argparse.Namespace) -> list[Any]:
 def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any]) -> tuple[Any, Any, list[Any], dict[str, int], list[str]]:
     """The serve line checked as start-up checks it, the model resolved, the requests vLLM would
     refuse left out and the pools capped: (model, settings, segments, refused, pool notes).
-    Raises ``InputError`` with the one-line message."""
+    Bad input raises ``SystemExit`` with the one-line message (:func:`fail`)."""
     check_serve_line(args)
     model = resolve_model(args)
     if model is not None:

@@ -54,6 +54,7 @@ class StoreCounters:
     bytes_fetched: int = 0
     lookup_errors: int = 0
     lookup_timeouts: int = 0
+    lookup_ms: int = 0  # finished lookups, queued to answered, summed (mean: lookup_ms / lookups)
     lookups_skipped: int = 0  # answered "nothing" at once: breaker open or client not ready
     breaker_trips: int = 0
     blocks_installed: int = 0  # fetched blocks placed in the local CPU tier
@@ -238,6 +239,7 @@ class StoreTier:
                 self._fetch(job)
             except Exception as err:  # noqa: BLE001 - reported as a miss, never raised into the engine
                 job.error = repr(err)
+            self._count(lookup_ms=round((self._clock() - job.started) * 1000))
             if job.error:
                 self._count(lookup_errors=1)
                 self.trip(f"lookup failed: {job.error}")
