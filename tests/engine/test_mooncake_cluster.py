@@ -49,8 +49,8 @@ CHAT_PROMPT, CHAT_ANSWER, CHAT_NEW = 320, 50, 20
 CHAT_HIT = 368  # the last unit boundary of turn 1's 369 computed tokens (test_output_checkpoint_engine.py)
 CHAT_TURN2_STATE = 384  # the last unit boundary below turn 2's 390 prompt tokens
 FAULT_LENGTH = 448
-# The lookup deadline: a healthy lookup took up to ~150 ms on a loaded 2-core host (``lookup_ms``; CI once
-# saw B2's 4 MiB lookup pass 500 ms and miss 0 of 1,968), a lookup with the master down blocks ~4.5 s.
+# The lookup deadline: B2's two healthy lookups took 295 ms together on a loaded 2-core host (``lookup_ms``;
+# CI once saw B2's 4 MiB lookup miss 0 of 1,968 under 500 ms), a lookup with the master down blocks ~4.5 s.
 OPTIONS = {"lookup_timeout_ms": 2000, "retry_s": 2.0, "global_segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20}
 ADDITIONAL = {"hybrid_kv": {"mamba_output_checkpoint": True}}
 FILLER = list(range(3, 19))

@@ -34,7 +34,6 @@ from the first wheel whose soak runs stay live without it.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import TYPE_CHECKING, Any
 
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
