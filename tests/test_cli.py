@@ -38,6 +38,10 @@ def test_bad_input_is_one_line_and_exit_2_in_every_subcommand(capsys):
     cases = [
         (["replay", "--scale", "0"], "hybrid-kv: --scale must be >= 1\n"),
         (["bench", "--repeats", "0"], "hybrid-kv: --repeats must be >= 1 and --requests >= 0\n"),
+        (["replay", "--gpu-blocks", "0"], "hybrid-kv: --gpu-blocks must be a positive integer\n"),
+        (["bench", "--cpu-blocks", "-1"], "hybrid-kv: --cpu-blocks must be a positive integer\n"),
+        (["replay", "--compare", "/nonexistent/a.json"],
+         "hybrid-kv: --compare /nonexistent/a.json: [Errno 2] No such file or directory: '/nonexistent/a.json'\n"),
     ]
     for argv, stderr in cases:
         assert console_main(argv) == 2, argv

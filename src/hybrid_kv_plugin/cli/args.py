@@ -8,6 +8,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from hybrid_kv_plugin.cli.errors import fail
+
 CONFIG_NAMES = (
     "stock", "stock+retain-0", "stock+retain-unit", "stock+retain-4units", "stock+retain-block",
     "stock+retain-2blocks", "stock+retain-4blocks", "stock+shared-prefix",
@@ -85,7 +87,7 @@ def settings_from(args: argparse.Namespace) -> Any:
 
     for name, flag in SETTINGS_FLAGS.items():
         if getattr(args, name) < (0 if name == "transfer_delay_steps" else 1):
-            raise SystemExit(f"hybrid-kv: {flag} must be a positive integer")
+            fail(f"{flag} must be a positive integer")
     return ReplaySettings(**{name: getattr(args, name) for name in SETTINGS_FLAGS})
 
 
@@ -103,5 +105,5 @@ def choose_configs(names: str | None, segments: Sequence[Any], cold_replay: bool
         chosen = [n.strip() for n in names.split(",") if n.strip()]
         unknown = [n for n in chosen if n not in CONFIGS]
         if unknown or not chosen:
-            raise SystemExit(f"hybrid-kv: --configs {names!r}: allowed: {', '.join(CONFIG_NAMES)}")
+            fail(f"--configs {names!r}: allowed: {', '.join(CONFIG_NAMES)}")
     return [CONFIGS[n] for n in chosen]

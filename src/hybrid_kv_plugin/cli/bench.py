@@ -8,6 +8,8 @@ import json
 import sys
 from typing import TextIO
 
+from hybrid_kv_plugin.cli.errors import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hybrid_kv_plugin.cli.args import CONFIG_NAMES, add_geometry_arguments
@@ -50,10 +52,10 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
 
     out = out or sys.stdout
     if args.repeats < 1 or args.requests < 0:
-        raise SystemExit("hybrid-kv: --repeats must be >= 1 and --requests >= 0")
+        fail("--repeats must be >= 1 and --requests >= 0")
     configs = choose_configs(args.configs, ())
     if len({c.name for c in configs}) != len(configs):
-        raise SystemExit(f"hybrid-kv: --configs {args.configs!r}: each configuration at most once")
+        fail(f"--configs {args.configs!r}: each configuration at most once")
     settings = dataclasses.replace(settings_from(args), async_scheduling=args.async_scheduling)
     cases = [BenchCase("default", tuple(with_eagle(default_workload(args.seed), args.eagle)))]
     if args.requests:

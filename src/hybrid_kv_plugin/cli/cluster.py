@@ -16,6 +16,7 @@ import sys
 from typing import Any, TextIO
 
 from hybrid_kv_plugin.cli import replay_inputs as inputs
+from hybrid_kv_plugin.cli.errors import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,21 +56,21 @@ def _tiers(args: argparse.Namespace) -> list[str]:
         return list(TIERS)
     tiers = [t.strip() for t in args.cpu_tier.split(",") if t.strip()]
     if not tiers or any(t not in TIERS for t in tiers):
-        inputs.fail(f"--cpu-tier {args.cpu_tier!r}: allowed: {', '.join(TIERS)}")
+        fail(f"--cpu-tier {args.cpu_tier!r}: allowed: {', '.join(TIERS)}")
     return tiers
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """The cluster's own flags, before any file is read."""
     if args.engines < 1:
-        inputs.fail(f"--engines must be >= 1, got {args.engines}")
+        fail(f"--engines must be >= 1, got {args.engines}")
     if args.engines == 1:
-        inputs.fail("--router, --cpu-tier and --baseline apply to --engines N > 1")
+        fail("--router, --cpu-tier and --baseline apply to --engines N > 1")
     for flag, given in (("--cold-replay", args.cold_replay), ("--plot", args.plot)):
         if given:
-            inputs.fail(f"{flag} is not available with --engines N > 1")
+            fail(f"{flag} is not available with --engines N > 1")
     if not args.trace:
-        inputs.fail("--engines N > 1 replays a Mooncake trace (--trace FILE.jsonl): its timestamps clock the engines")
+        fail("--engines N > 1 replays a Mooncake trace (--trace FILE.jsonl): its timestamps clock the engines")
     _tiers(args)
 
 
@@ -108,7 +109,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     inputs.check_flags(args)
     segments = inputs.load_segments(args)
     if len(segments) != 1 or not isinstance(segments[0], TimedSegment):
-        inputs.fail("--engines N > 1 replays a Mooncake trace (timestamps clock the engines); this trace is in the project's format")
+        fail("--engines N > 1 replays a Mooncake trace (timestamps clock the engines); this trace is in the project's format")
     settings = settings_from(args)
     configs = choose_configs(args.configs or "plugin", segments)
     model, settings, segments, refused, pool_notes = inputs.prepare_inputs(args, settings, segments)
@@ -123,7 +124,7 @@ def run_cluster_command(args: argparse.Namespace, out: TextIO | None = None) -> 
     try:
         assignment = route(len(segment.requests), args.engines, router, parents)
     except ClusterInputError as exc:
-        inputs.fail(str(exc))
+        fail(str(exc))
     from dataclasses import replace
 
     from hybrid_kv_plugin.cli.progress import Progress

@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from hybrid_kv_plugin.cli.errors import fail
+
 
 def _fmt(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"
@@ -42,7 +44,7 @@ def render_comparison(paths: Sequence[str], out: TextIO) -> int:
             with open(path, encoding="utf-8") as handle:
                 reports.append(json.load(handle))
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"hybrid-kv: --compare {path}: {exc}") from None
+            fail(f"--compare {path}: {exc}")
     columns = [(f"vLLM {report['vllm']}", r["name"], r) for report in reports for r in report["results"]]
     cell = max(10, *(len(name) for _, name, _ in columns)) + 1
     groups: list[tuple[str, int]] = []

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from hybrid_kv_plugin.cli.errors import fail
+
 
 def require_matplotlib() -> None:
     """Refuse ``--plot`` in one line before anything runs when matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit(
-            "hybrid-kv: --plot needs matplotlib, which is not installed here; "
+        fail(
+            "--plot needs matplotlib, which is not installed here; "
             "install the optional extra: pip install 'hybrid-kv-plugin[plot]'"
-        ) from None
+        )
 
 
 def plot_report(report: dict, path: str) -> None:

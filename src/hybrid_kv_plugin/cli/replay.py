@@ -20,6 +20,7 @@ from hybrid_kv_plugin.cli.args import (
     choose_configs,
     settings_from,
 )
+from hybrid_kv_plugin.cli.errors import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +93,11 @@ def run_replay_command(args: argparse.Namespace, out: TextIO | None = None) -> i
 
     jobs = getattr(args, "jobs", 1)
     if jobs < 1:
-        raise SystemExit(f"hybrid-kv: --jobs must be >= 1, got {jobs}")
+        fail(f"--jobs must be >= 1, got {jobs}")
     if cluster.requested(args) and getattr(args, "tier_ceiling", False):
-        raise SystemExit("hybrid-kv: --tier-ceiling models the CPU tier of one engine; it does not apply with --engines")
+        fail("--tier-ceiling models the CPU tier of one engine; it does not apply with --engines")
     if jobs > 1 and cluster.requested(args):
-        raise SystemExit("hybrid-kv: --jobs runs the configurations of a single-engine replay in parallel; "
-                         "it does not apply with --engines")
+        fail("--jobs runs the configurations of a single-engine replay in parallel; it does not apply with --engines")
     if cluster.requested(args):  # --engines N > 1: the cluster runner (cli/cluster.py)
         return cluster.run_cluster_command(args, out)
     started = _wall()

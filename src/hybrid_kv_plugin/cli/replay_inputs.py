@@ -5,7 +5,7 @@ would refuse, pools cut to what the trace can take, and the next step when the p
 unit leaves the plugin nothing to do.
 
 Every bad input ends as ``SystemExit("hybrid-kv: ...")`` (one line, exit 2 via
-:func:`fail`); the checks that need no vLLM run before vLLM is imported.
+:func:`~hybrid_kv_plugin.cli.errors.fail`); the checks that need no vLLM run before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from hybrid_kv_plugin.cli.args import SETTINGS_FLAGS
+from hybrid_kv_plugin.cli.errors import fail
 from hybrid_kv_plugin.models.geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
-
-
-def fail(message: str) -> NoReturn:
-    raise SystemExit(f"hybrid-kv: {message}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -335,7 +332,7 @@ def load_segments(args: argparse.Namespace) -> list[Any]:
 def prepare_inputs(args: argparse.Namespace, settings: Any, segments: list[Any]) -> tuple[Any, Any, list[Any], dict[str, int], list[str]]:
     """The serve line checked as start-up checks it, the model resolved, the requests vLLM would
     refuse left out and the pools capped: (model, settings, segments, refused, pool notes).
-    Bad input raises ``SystemExit`` with the one-line message (:func:`fail`)."""
+    Bad input raises ``SystemExit`` with the one-line message (:func:`~hybrid_kv_plugin.cli.errors.fail`)."""
     check_serve_line(args)
     model = resolve_model(args)
     if model is not None:
