@@ -118,6 +118,7 @@ def main(model_dir: str, store_options: str, additional_config: str) -> None:
                 "outcomes": connector.get_boundary_store_stats().as_dict(),
                 "available": connector.store_tier.available(),
                 "last_failure": connector.store_tier.last_failure,
+                "agent": getattr(connector.store_tier._client, "pid", None),  # None while a new one sets up
             }
         elif op == "exit":
             llm.llm_engine.engine_core.shutdown()

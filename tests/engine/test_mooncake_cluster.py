@@ -17,6 +17,8 @@ engine start costs minutes on this host); the tests below assert its parts:
    references), the store's misses and breaker trips are counted; restarted (same ports),
    the store comes back into use: a prompt A computes after the restart hits on B (a lookup
    B makes before its own client is back fails, counted, and the pair goes again).
+   Then A's store-client process is killed: A's next store call fails, A sets up a new client
+   (once), and a prompt A computes after that hits on B.
 4. An engine restarted: B stops and B2 starts (same master, 16 MiB segment): B2 hits what
    A stored (432 of 448, outputs equal its like-for-like reference). Then A stops, and its
    segment goes with it (each engine's puts stay in its own segment, ``agent.py``): B2's
@@ -34,7 +36,9 @@ is full are printed (``-s``), not asserted.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -98,6 +102,7 @@ def cluster():
         _chat(runs, a, b)
         _master_down(runs, master, a, b)
         _master_restarted(runs, master, a, b)
+        _agent_killed(runs, a, b)
 
         def start(name: str) -> Engine:
             engine = Engine(model, master.options | SMALL_SEGMENT, workdir, name, ADDITIONAL)
@@ -112,6 +117,7 @@ def cluster():
         master.stop()
         remove_workdir(workdir)
     pids = [*master.pids, *(e.pid for e in engines), *(e.ready["agent"] for e in engines)]
+    pids += [pid for pid in (runs.get(("agent killed", "new")),) if pid is not None]
     runs["agents"] = [e.ready["agent"] for e in engines]
     runs["left"] = {
         "processes": [pid for pid in pids if alive(pid)],
@@ -168,14 +174,21 @@ def _master_restarted(runs: dict, master: Master, a: Engine, b: Engine) -> None:
     master.start()
     runs["restart available"] = (wait_for_store(a), wait_for_store(b))
     # Each client reconnects on its own: a put or lookup before it has re-registered fails
-    # and opens its breaker again. So A computes a fresh prompt until its writes land, then
-    # B asks for it; where B's lookup failed (counted), both go again (bounded).
+    # and opens its breaker again.
+    run, prompt, runs["restart attempts"], runs["restart", "b misses"] = _until_b_hits_a_fresh_prompt(a, b, "restart", 10)
+    runs["restart", "b"] = run
+    runs["restart", "b uncached"] = b.generate(prompt, MAX_TOKENS, salt="restart-uncached")
+
+
+def _until_b_hits_a_fresh_prompt(a: Engine, b: Engine, tag: str, attempts: int) -> tuple[dict, list[int], int, list]:
+    """A computes a fresh prompt until its writes land, then B asks for it; where B's lookup failed
+    (counted), both go again (bounded). B's run, the prompt, the attempts made, B's counter growth per miss."""
     b_misses, run = [], None
-    for attempt in range(10):
-        prompt = tokens(f"after-restart-{attempt}", FAULT_LENGTH)
+    for attempt in range(attempts):
+        prompt = tokens(f"after-{tag}-{attempt}", FAULT_LENGTH)
         before = a.call(op="counters")["store"]
         a.generate(prompt, MAX_TOKENS)
-        flush(a, f"restart-{attempt}")
+        flush(a, f"{tag}-{attempt}")
         after = a.call(op="counters")["store"]
         if after["blocks_put"] > before["blocks_put"] and after["put_failures"] == before["put_failures"]:
             wait_for_store(b)
@@ -186,10 +199,22 @@ def _master_restarted(runs: dict, master: Master, a: Engine, b: Engine) -> None:
                 break
             b_misses.append({k: b_after[k] - b_before[k] for k in b_before})
         time.sleep(OPTIONS["retry_s"] + 0.5)
-    runs["restart attempts"] = attempt + 1
-    runs["restart", "b misses"] = b_misses
-    runs["restart", "b"] = run or b.generate(prompt, MAX_TOKENS)
-    runs["restart", "b uncached"] = b.generate(prompt, MAX_TOKENS, salt="restart-uncached")
+    return run or b.generate(prompt, MAX_TOKENS), prompt, attempt + 1, b_misses
+
+
+def _agent_killed(runs: dict, a: Engine, b: Engine) -> None:
+    before = a.call(op="counters")
+    runs["agent killed", "old"] = before["agent"]
+    os.kill(before["agent"], signal.SIGKILL)
+    # A fresh prompt misses A's own tiers, so A asks the store: the call meets the dead agent.
+    runs["agent killed", "a first"] = a.generate(tokens("agent-killed", FAULT_LENGTH), MAX_TOKENS)
+    runs["agent killed", "available"] = wait_for_store(a)
+    run, prompt, runs["agent killed", "attempts"], _ = _until_b_hits_a_fresh_prompt(a, b, "agent", 5)
+    after = a.call(op="counters")
+    runs["agent killed", "new"] = after["agent"]
+    runs["agent killed", "a growth"] = {k: after["store"][k] - before["store"][k] for k in before["store"]}
+    runs["agent killed", "b"] = run
+    runs["agent killed", "b uncached"] = b.generate(prompt, MAX_TOKENS, salt="agent-killed-uncached")
 
 
 def _engine_restarted(runs: dict, a: Engine, b: Engine, start) -> Engine:
@@ -313,14 +338,32 @@ def test_master_restarted_store_back_in_use(cluster):
     assert (b["num_cached_tokens"], b["external_hits"]) == (A_CPU_HITS[FAULT_LENGTH], A_CPU_HITS[FAULT_LENGTH])
     assert b["token_ids"] == uncached["token_ids"]
     # A lookup B made before its client was back may miss, but only as a counted failure
-    # (error, timeout or skipped), never as a silent miss of a key A had put.
+    # (error, timeout, skipped or dropped at its deadline), never as a silent miss of a key A had put.
     for miss in cluster["restart", "b misses"]:
-        assert miss["lookup_errors"] + miss["lookup_timeouts"] + miss["lookups_skipped"] >= 1, miss
+        failed = ("lookup_errors", "lookup_timeouts", "lookups_skipped", "lookups_expired_queued")
+        assert sum(miss[name] for name in failed) >= 1, miss
         assert miss["blocks_installed"] == 0, miss
     print(
         f"\nafter the restart: B hit A's puts at attempt {cluster['restart attempts']}; "
         f"B's failed lookups before that: {cluster['restart', 'b misses']}"
     )
+
+
+def test_killed_store_agent_is_replaced_and_the_store_back_in_use(cluster):
+    old, new, growth = (cluster["agent killed", k] for k in ("old", "new", "a growth"))
+    assert cluster["agent killed", "available"] is True
+    assert isinstance(new, int) and new != old
+    # One replacement for the one dead client, whichever of A's store threads met it first.
+    assert growth["clients_replaced"] == 1 and growth["breaker_trips"] >= 1
+    assert growth["lookup_errors"] + growth["put_failures"] >= 1
+    first = cluster["agent killed", "a first"]
+    assert (first["num_cached_tokens"], len(first["token_ids"])) == (0, MAX_TOKENS)
+    b, uncached = cluster["agent killed", "b"], cluster["agent killed", "b uncached"]
+    hit = A_CPU_HITS[FAULT_LENGTH]
+    assert (b["num_cached_tokens"], b["external_hits"], b["local_hits"]) == (hit, hit, 0)
+    assert uncached["num_cached_tokens"] == 0 and b["token_ids"] == uncached["token_ids"]
+    print(f"\nagent killed: A's client replaced (pid {old} -> {new}); B hit A's puts at attempt "
+          f"{cluster['agent killed', 'attempts']}; A's store growth {growth}")
 
 
 def test_restarted_engine_hits_what_a_stored(cluster):

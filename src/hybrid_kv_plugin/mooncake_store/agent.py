@@ -77,6 +77,10 @@ class AgentClient:
     def get_batch(self, keys: list[str]) -> list[bytes]:
         return self._call("get_batch", keys)
 
+    def alive(self) -> bool:
+        """False once the agent process has exited: it will never answer again."""
+        return self.proc.poll() is None
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -161,9 +161,10 @@ class HybridMooncakeStoreConnector(HybridSimpleCPUConnector):
                 return super().get_num_new_matched_tokens(request, num_computed_tokens)
             state.job = None
             self._install(job)
-        if not tier.available() or self._tensors() is None:
+        if self._tensors() is None:
             self._lookups.pop(request.request_id, None)
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        # An unavailable store is asked below all the same: tier.lookup() answers at once and counts the skip.
         missed: list[bytes] = []
         cache = self.scheduler_manager.cpu_block_pool.cached_block_hash_to_block
         found_one = cache.get_one_block
@@ -297,9 +298,11 @@ def _connect(options: StoreOptions) -> Any:
 
 
 def _namespace(vllm_config: Any, kv_cache_config: Any) -> str:
-    """Keys of one model and one block layout: the model, dtypes and every group's spec."""
+    """Keys of one model's weights and one block layout: the model, its revision and quantization, the
+    dtypes and every group's spec (two engines serving other weights under one name never share bytes)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    parts = [str(model.model), str(model.dtype), str(getattr(cache, "cache_dtype", "")),
+    parts = [str(model.model), str(getattr(model, "revision", "")), str(getattr(model, "quantization", "")),
+             str(model.dtype), str(getattr(cache, "cache_dtype", "")),
              str(getattr(cache, "mamba_ssm_cache_dtype", ""))]  # fmt: skip
     parts += [repr(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
     return "hkv-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -31,9 +31,9 @@ class StoreOptions:
     rdma_devices: str = ""
     global_segment_bytes: int = 256 << 20  # what this engine lends the store (its puts live there)
     local_buffer_bytes: int = 64 << 20
-    lookup_timeout_ms: int = 1000  # past this a lookup is abandoned and the breaker opens
+    lookup_timeout_ms: int = 1000  # past this a lookup is abandoned; a store call past it opens the breaker
     retry_s: float = 5.0  # how long the breaker stays open
-    max_queued_puts: int = 256  # put batches waiting for the put thread; more are dropped (counted)
+    max_queued_puts: int = 256  # blocks waiting for the put thread (each pins a CPU-tier block); more are dropped (counted)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> StoreOptions:

@@ -4,9 +4,18 @@ Invariants:
 - No store call runs on the caller's thread: client setup, puts and lookups each run on
   a daemon thread of their own; the scheduler only queues work and polls finished jobs.
   A master that is down (each call then takes seconds) costs a step a queue operation.
-- A lookup that has not finished within ``lookup_timeout_s``, or any store error, opens
-  the circuit breaker for ``retry_s``: lookups are then answered "nothing" at once and
-  puts are dropped (both counted). The first call after that window probes again.
+- A lookup that has not finished within ``lookup_timeout_s`` is abandoned (counted). The
+  circuit breaker opens for ``retry_s`` when the store is the cause: any store error, or a
+  store call running past ``lookup_timeout_s``. Lookups are then answered "nothing" at once and
+  puts are dropped (both counted); the first call after that window probes again. A lookup that
+  waited its deadline out behind other healthy lookups opens nothing, and the store is never
+  asked for it.
+- At most ``max_queued_puts`` blocks wait for the put thread (queued, or being read), so a
+  store slower than the engine pins a bounded part of the CPU tier; past that a batch is
+  dropped (counted), unless nothing waits (a larger batch then goes alone).
+- Nothing a store call, a block reader or a release raises stops the put or lookup thread.
+  A client that reports itself gone (``alive()`` False: its process died) is closed and a
+  new one set up, once per client; the store is unavailable meanwhile.
 - A full store is no fault: a put the store refuses for space (:data:`STORE_FULL`) is
   retried on the put thread while the master evicts (its oldest objects first), at most
   ``full_wait_s``, then dropped and counted; the breaker stays closed, and a key the store
@@ -53,12 +62,14 @@ class StoreCounters:
     keys_absent: int = 0
     bytes_fetched: int = 0
     lookup_errors: int = 0
-    lookup_timeouts: int = 0
-    lookup_ms: int = 0  # finished lookups, queued to answered, summed (mean: lookup_ms / lookups)
+    lookup_timeouts: int = 0  # abandoned at the deadline while the store was answering them (breaker opened)
+    lookups_expired_queued: int = 0  # abandoned at the deadline, the store not slow (it waited behind others)
+    lookup_ms: int = 0  # lookups' time, queued to answered (or dropped unasked), summed (mean: lookup_ms / lookups)
     lookups_skipped: int = 0  # answered "nothing" at once: breaker open or client not ready
     breaker_trips: int = 0
     blocks_installed: int = 0  # fetched blocks placed in the local CPU tier
     setup_failures: int = 0
+    clients_replaced: int = 0  # clients set up again after theirs was gone (its process died)
 
 
 @dataclass
@@ -71,6 +82,7 @@ class LookupJob:
     found: dict[str, tuple[int | None, bytes]] = field(default_factory=dict)
     absent: set[str] = field(default_factory=set)
     error: str = ""
+    abandoned: bool = False  # the caller stopped waiting (its deadline passed); a queued job is then dropped
 
 
 def encode(num_tokens: int | None, payload: bytes) -> bytes:
@@ -87,7 +99,8 @@ class StoreTier:
 
     ``connect`` builds and sets up a client (it may block for as long as the master takes);
     the client needs ``put(key, bytes) -> int``, ``batch_is_exist(keys) -> list[int]``,
-    ``get_batch(keys) -> list[bytes]`` and ``close()``, as ``MooncakeDistributedStore`` has.
+    ``get_batch(keys) -> list[bytes]`` and ``close()``, as ``MooncakeDistributedStore`` has,
+    and may have ``alive() -> bool`` (False: it will never answer again).
     """
 
     def __init__(
@@ -106,16 +119,22 @@ class StoreTier:
         self.lookup_timeout_s = lookup_timeout_s
         self.retry_s = retry_s
         self._clock = clock
+        self._connect = connect
         self._lock = threading.Lock()
         self._counters = StoreCounters()
         self._client: Any = None
         self._open_until = 0.0
         self.last_failure = ""  # why the breaker last opened, for the log and for tests
         self._closed = threading.Event()
-        self._puts: queue.Queue = queue.Queue(maxsize=max_queued_puts)
+        self.max_queued_puts = max_queued_puts  # in blocks
+        self._waiting_blocks = 0  # offered, not yet released by the put thread
+        self._puts: queue.Queue = queue.Queue()
         self._lookups: queue.Queue = queue.Queue()
+        # When the store began to owe the lookup thread its current answer: the job's queueing time, or
+        # the end of the job before it where it waited behind that one (None: no call in progress).
+        self._serving_since: float | None = None
         self._threads = [
-            threading.Thread(target=self._setup_loop, args=(connect,), name="hybrid-kv-store-setup", daemon=True),
+            threading.Thread(target=self._setup_loop, name="hybrid-kv-store-setup", daemon=True),
             threading.Thread(target=self._put_loop, name="hybrid-kv-store-put", daemon=True),
             threading.Thread(target=self._lookup_loop, name="hybrid-kv-store-get", daemon=True),
         ]
@@ -153,16 +172,17 @@ class StoreTier:
 
         ``release`` runs on the put thread once every reader has run (the caller pins the
         blocks until then). False, and nothing queued (the caller unpins at once), where
-        the store is unavailable or the queue is full.
+        the store is unavailable or ``max_queued_puts`` blocks already wait.
         """
         if not self.available():
             self._count(puts_dropped=len(items))
             return False
-        try:
-            self._puts.put_nowait((items, release))
-        except queue.Full:
-            self._count(puts_dropped=len(items))
-            return False
+        with self._lock:
+            if self._waiting_blocks and self._waiting_blocks + len(items) > self.max_queued_puts:
+                self._counters.puts_dropped += len(items)
+                return False
+            self._waiting_blocks += len(items)
+        self._puts.put_nowait((items, release))
         return True
 
     def _put_loop(self) -> None:
@@ -173,6 +193,9 @@ class StoreTier:
                 continue
             try:
                 self._write(items, release)
+            except Exception as err:  # noqa: BLE001 - a block reader or the release failed: the thread goes on
+                self._count(put_failures=1)
+                self.trip(f"put failed: {err!r}")
             finally:
                 self._puts.task_done()
 
@@ -180,15 +203,21 @@ class StoreTier:
         try:
             payloads = [(keys, read()) for keys, read in items]
         finally:
-            release()
+            try:
+                release()
+            finally:
+                with self._lock:
+                    self._waiting_blocks -= len(items)
         for keys, payload in payloads:
-            if not self.available():
+            client = self._client
+            if client is None or not self.available():
                 self._count(puts_dropped=1)
                 continue
             try:
-                codes = [self._put_waiting_for_room(key, encode(num_tokens, payload)) for key, num_tokens in keys]
+                codes = [self._put_waiting_for_room(client, key, encode(num_tokens, payload)) for key, num_tokens in keys]
             except Exception as err:  # noqa: BLE001 - any client error is a store failure, never the engine's
                 codes = [repr(err)]
+                self._replace_if_gone(client)
             failed = [code for code in codes if code not in (0, STORE_FULL)]
             if failed:
                 self._count(put_failures=1)
@@ -198,16 +227,16 @@ class StoreTier:
             else:
                 self._count(blocks_put=1, keys_put=len(keys), bytes_put=len(payload) * len(keys))
 
-    def _put_waiting_for_room(self, key: str, value: bytes) -> int:
+    def _put_waiting_for_room(self, client: Any, key: str, value: bytes) -> int:
         """``put``; while the store answers "full", retry every ``FULL_RETRY_S`` (the master is evicting), for
         about ``full_wait_s`` in all (counted in retries, so a stand-in clock cannot stretch it)."""
-        code = self._client.put(key, value)
+        code = client.put(key, value)
         for _ in range(max(1, round(self.full_wait_s / FULL_RETRY_S))):
             if code != STORE_FULL or self._closed.is_set():
                 break
             self._count(put_full_retries=1)
             self._closed.wait(FULL_RETRY_S)
-            code = self._client.put(key, value)
+            code = client.put(key, value)
         return code
 
     # ------------------------------------------------------------------ lookups
@@ -222,40 +251,55 @@ class StoreTier:
         return job
 
     def expired(self, job: LookupJob) -> bool:
-        """The job is unfinished past its deadline: counted once, and the breaker opens."""
-        if job.done.is_set() or self._clock() - job.started < self.lookup_timeout_s:
+        """The job is unfinished past its deadline: abandoned and counted (ask once per job). The breaker
+        opens only where the store is slow: it has owed the lookup thread its current answer for a whole
+        deadline. A job that waited behind healthy lookups opens nothing, and is dropped unasked if queued."""
+        now = self._clock()
+        if job.done.is_set() or now - job.started < self.lookup_timeout_s:
             return False
+        job.abandoned = True
+        serving = self._serving_since
+        if serving is None or now - serving < self.lookup_timeout_s:
+            self._count(lookups_expired_queued=1)
+            return True
         self._count(lookup_timeouts=1)
         self.trip(f"lookup unfinished after {self.lookup_timeout_s:.1f} s")
         return True
 
     def _lookup_loop(self) -> None:
+        free_since = 0.0  # when the previous job finished: a job queued after that waited for nothing
         while not self._closed.is_set():
             try:
                 job = self._lookups.get(timeout=0.2)
             except queue.Empty:
                 continue
-            try:
-                self._fetch(job)
-            except Exception as err:  # noqa: BLE001 - reported as a miss, never raised into the engine
-                job.error = repr(err)
-            self._count(lookup_ms=round((self._clock() - job.started) * 1000))
+            if not job.abandoned:
+                client = self._client
+                self._serving_since = max(job.started, free_since)
+                try:
+                    self._fetch(client, job)
+                except Exception as err:  # noqa: BLE001 - reported as a miss, never raised into the engine
+                    job.error = repr(err)
+                    self._replace_if_gone(client)
+                self._serving_since = None
+            free_since = self._clock()
+            self._count(lookup_ms=round((free_since - job.started) * 1000))
             if job.error:
                 self._count(lookup_errors=1)
                 self.trip(f"lookup failed: {job.error}")
             job.done.set()
 
-    def _fetch(self, job: LookupJob) -> None:
-        if self._client is None:
+    def _fetch(self, client: Any, job: LookupJob) -> None:
+        if client is None:
             job.error = "client not set up"
             return
-        exists = self._client.batch_is_exist(job.keys)
+        exists = client.batch_is_exist(job.keys)
         if any(flag < 0 for flag in exists):
             job.error = "batch_is_exist failed"
             return
         present = [key for key, flag in zip(job.keys, exists) if flag == 1]
         job.absent = {key for key, flag in zip(job.keys, exists) if flag != 1}
-        values = self._client.get_batch(present) if present else []
+        values = client.get_batch(present) if present else []
         for key, value in zip(present, values):
             if len(value) < _HEADER.size:
                 job.absent.add(key)  # evicted between the two calls, or the transfer failed
@@ -268,19 +312,40 @@ class StoreTier:
         )
 
     # ------------------------------------------------------------------ lifetime
-    def _setup_loop(self, connect: Callable[[], Any]) -> None:
+    def _setup_loop(self, gone: Any = None) -> None:
+        if gone is not None:
+            try:
+                gone.close()  # reaps what is left of it
+            except Exception:  # noqa: BLE001
+                pass
         while not self._closed.is_set():
             try:
-                client = connect()
+                client = self._connect()
             except Exception:  # noqa: BLE001 - the engine serves from its own tier meanwhile
                 self._count(setup_failures=1)
                 self._closed.wait(self.retry_s)
                 continue
-            if self._closed.is_set():
-                client.close()
-                return
-            self._client = client
+            with self._lock:  # close() sets _closed before it takes the client under this lock
+                if not self._closed.is_set():
+                    self._client = client
+                    return
+            client.close()
             return
+
+    def _replace_if_gone(self, client: Any) -> None:
+        """After a failed call: a client that reports itself gone is replaced (once per client, whichever
+        thread sees it first); until the new one is set up the store is unavailable."""
+        alive = getattr(client, "alive", None)
+        if alive is None or alive():
+            return
+        with self._lock:
+            if self._client is not client or self._closed.is_set():
+                return
+            self._client = None
+            self._counters.clients_replaced += 1
+        thread = threading.Thread(target=self._setup_loop, args=(client,), name="hybrid-kv-store-setup", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def idle(self) -> bool:
         """No put queued or being written."""
@@ -294,7 +359,8 @@ class StoreTier:
         self._closed.set()
         for thread in self._threads:
             thread.join(timeout=1.0)
-        client, self._client = self._client, None
+        with self._lock:
+            client, self._client = self._client, None
         if client is not None:
             try:
                 client.close()
