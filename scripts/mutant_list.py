@@ -643,8 +643,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cpu-tier-answer-states-never-demoted",
         "offload/eviction.py",
-        "        if (prompt - 1) // self.unit * self.unit <= boundary <= prompt:\n",
-        "        if (prompt - 1) // self.unit * self.unit <= boundary:\n",
+        "        if prompt_tail_start(prompt, self.unit, self.eagle_drop) <= boundary <= prompt:\n",
+        "        if prompt_tail_start(prompt, self.unit, self.eagle_drop) <= boundary:\n",
         # Answer states a later one of the same answer supersedes stay in plain LRU: the tier
         # spends a block on each unit of every answer and evicts the conversation's head instead.
         ("tests/test_cpu_tier_eviction.py::test_superseded_answer_states_are_evicted_first",),
@@ -693,6 +693,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "or entry[2] <= tail_start or",
         # A prompt-end state exactly at the prompt's tail position reaches the CPU tier anyway.
         ("tests/test_cpu_tier_request_ends.py::test_next_turn_resumes_below_a_skipped_end",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "prompt-tail-start-ignores-eagle-drop",
+        "offload/admission.py",
+        " - (unit if eagle_drop else 0)",
+        "",
+        # Under EAGLE block drop the tail state one unit lower counts as a chunk end: the admission
+        # stores it (unreachable without its declined partial tail), the hybrid order demotes it.
+        (
+            "tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_the_eagle_prompt_tail",
+            "tests/test_eagle_cpu_tier_request_ends.py::test_hybrid_order_keeps_the_eagle_prompt_tail",
+        ),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
@@ -831,6 +844,52 @@ MUTANTS: tuple[Mutant, ...] = (
         # The first step's record is kept for good: later steps answer from earlier ones' counts.
         "        if getattr(self, \"_hybrid_kv_remaining_blocks_this_step\", None) is None:\n            self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
         ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "request-ends-partial-tail-ignores-eagle-drop",
+        "offload/admission.py",
+        "        resumes_at = boundary - self.unit if self.eagle_drop else boundary\n",
+        "        resumes_at = boundary\n",
+        # Under EAGLE block drop ``skip`` declines the partial tail a hit resuming at a stored grid state
+        # reads: the next turn hits nothing instead of 320.
+        ("tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_both_eagle_tail_positions",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "store-breaker-opens-for-a-queued-lookup",
+        "mooncake_store/tier.py",
+        "        if serving is None or now - serving < self.lookup_timeout_s:\n",
+        # A lookup that only waited behind healthy ones opens the breaker: load turns the store off.
+        "        if False:\n",
+        ("tests/test_mooncake_store_connector.py::test_lookup_that_waited_behind_healthy_lookups_is_dropped_without_opening_the_breaker",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "store-put-thread-dies-on-a-reader-error",
+        "mooncake_store/tier.py",
+        "            except Exception as err:  # noqa: BLE001 - a block reader or the release failed: the thread goes on\n",
+        # The put thread ends at the first reader that raises: later batches stay queued and pinned.
+        "            except ZeroDivisionError as err:\n",
+        ("tests/test_mooncake_store_connector.py::test_reader_that_raises_neither_stops_the_put_thread_nor_keeps_blocks_pinned",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "store-dead-client-kept",
+        "mooncake_store/tier.py",
+        "        if alive is None or alive():\n",
+        # A client whose process died is never replaced: every call fails until the engine restarts.
+        "        if True:\n",
+        ("tests/test_mooncake_store_connector.py::test_client_whose_process_died_is_replaced_once",),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "store-waiting-batches-not-blocks",
+        "mooncake_store/tier.py",
+        "            self._waiting_blocks += len(items)\n",
+        # Each batch counts one, however many blocks it pins.
+        "            self._waiting_blocks += 1\n",
+        ("tests/test_mooncake_store_connector.py::test_blocks_waiting_for_the_put_thread_are_bounded_in_blocks",),
         ("0.33.0",),
     ),
 )
