@@ -643,8 +643,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cpu-tier-answer-states-never-demoted",
         "offload/eviction.py",
-        "        if prompt_tail_start(prompt, self.unit, self.eagle_drop) <= boundary <= prompt:\n",
-        "        if prompt_tail_start(prompt, self.unit, self.eagle_drop) <= boundary:\n",
+        "        if (prompt - 1) // self.unit * self.unit <= boundary <= prompt:\n",
+        "        if (prompt - 1) // self.unit * self.unit <= boundary:\n",
         # Answer states a later one of the same answer supersedes stay in plain LRU: the tier
         # spends a block on each unit of every answer and evicts the conversation's head instead.
         ("tests/test_cpu_tier_eviction.py::test_superseded_answer_states_are_evicted_first",),
@@ -693,19 +693,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "or entry[2] <= tail_start or",
         # A prompt-end state exactly at the prompt's tail position reaches the CPU tier anyway.
         ("tests/test_cpu_tier_request_ends.py::test_next_turn_resumes_below_a_skipped_end",),
-        ("0.29.0", "0.33.0"),
-    ),
-    Mutant(
-        "prompt-tail-start-ignores-eagle-drop",
-        "offload/admission.py",
-        " - (unit if eagle_drop else 0)",
-        "",
-        # Under EAGLE block drop the tail state one unit lower counts as a chunk end: the admission
-        # stores it (unreachable without its declined partial tail), the hybrid order demotes it.
-        (
-            "tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_the_eagle_prompt_tail",
-            "tests/test_eagle_cpu_tier_request_ends.py::test_hybrid_order_keeps_the_eagle_prompt_tail",
-        ),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
@@ -845,16 +832,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if getattr(self, \"_hybrid_kv_remaining_blocks_this_step\", None) is None:\n            self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
         ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
         ("0.33.0",),
-    ),
-    Mutant(
-        "request-ends-partial-tail-ignores-eagle-drop",
-        "offload/admission.py",
-        "        resumes_at = boundary - self.unit if self.eagle_drop else boundary\n",
-        "        resumes_at = boundary\n",
-        # Under EAGLE block drop ``skip`` declines the partial tail a hit resuming at a stored grid state
-        # reads: the next turn hits nothing instead of 320.
-        ("tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_both_eagle_tail_positions",),
-        ("0.29.0", "0.33.0"),
     ),
     Mutant(
         "store-breaker-opens-for-a-queued-lookup",

@@ -55,14 +55,10 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
 
             self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
             self._backport_scheduler = self.scheduler_manager
-        # Both place a prompt's tail one unit lower under the engine scheduler's EAGLE block drop.
-        eagle_drop = adapter.scheduler_eagle_drop(vllm_config)
         # The CPU tier's eviction order (offload/eviction.py); None: the wheel's LRU.
-        self.cpu_tier_policy = attach_cpu_tier_policy(self, eagle_drop)
+        self.cpu_tier_policy = attach_cpu_tier_policy(self)
         # Which request-end states the CPU tier declines (offload/admission.py); None: it takes all.
-        self.request_end_admission = attach_request_end_admission(
-            self, kv_cache_config, attention_tail_boundary, eagle_drop
-        )
+        self.request_end_admission = attach_request_end_admission(self, kv_cache_config, attention_tail_boundary)
         # Set by the divergence option's binding (divergence/cpu_tier.py); None: not tracked.
         self.cpu_tier_reach: Any = None
         if self._native_metrics:

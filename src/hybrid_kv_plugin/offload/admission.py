@@ -22,16 +22,12 @@ that scheduler sees them; it allocates and evicts nothing in the CPU pool.
 Invariants:
 
 - a Mamba hand-off is declined iff its boundary is off the grid of its group's Mamba
-  block, at or past the request's prompt-tail start (:func:`prompt_tail_start`: (N - 1)
-  floored to the unit, N the prompt length, so the native replay position and the
-  prompt's last unit boundary both qualify; one unit lower under EAGLE block drop, where
-  ``prompt_tail_checkpoint`` and the wheel (0.30+) keep the tail state one unit down, e.g.
-  N=300, unit 16: 272, not 288; the connector reads the scheduler's drop off the VllmConfig,
-  adapter ``scheduler_eagle_drop``) and not the request's divergence point
-  (``shared_prefix_boundary``, which other requests share by construction);
-- the attention partial tail is declined iff the position a hit through it resumes at (its
-  boundary; one unit lower under EAGLE block drop) is off the Mamba grid and not the
-  divergence point (a partial tail whose Mamba state the tier keeps is still stored);
+  block, at or past the request's prompt-tail position ((N - 1) floored to the unit, N
+  the prompt length: the native replay position and the prompt's last unit boundary
+  both qualify) and not the request's divergence point (``shared_prefix_boundary``,
+  which other requests share by construction);
+- the attention partial tail is declined iff its boundary is off the Mamba grid and not
+  the divergence point (a partial tail whose Mamba state the tier keeps is still stored);
 - with ``auto`` nothing is declined while the block at the head of the CPU pool's free queue (the
   next one a store takes) has never held a copy: a store then evicts nothing;
 - states on the Mamba grid, chunk ends inside the prompt and divergence states are
@@ -71,15 +67,6 @@ def check_cpu_tier_request_ends(value: str, mode: Any, adapter: Any) -> None:
         )
 
 
-def prompt_tail_start(num_prompt_tokens: int, unit: int, eagle_drop: bool) -> int:
-    """The lowest position at which a wheel or ``prompt_tail_checkpoint`` keeps a prompt's tail
-    Mamba state: the last unit boundary <= N-1 (the replay position; the prompt's last unit
-    boundary and the 0.32+ positions are at or above it), one unit lower under EAGLE block
-    drop (``eagle_drop``: the scheduler's ``scheduler_eagle_drop_attr``), where every mode
-    moves its positions one unit down. Anything below is a chunk end inside the prompt."""
-    return (num_prompt_tokens - 1) // unit * unit - (unit if eagle_drop else 0)
-
-
 def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
     """The block sizes of the Mamba groups (empty for a model without one)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -89,12 +76,12 @@ def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
 
 
 def attach_request_end_admission(
-    connector: Any, kv_cache_config: Any, tail_boundary: Callable[[Any, int], int], eagle_drop: bool = False
+    connector: Any, kv_cache_config: Any, tail_boundary: Callable[[Any, int], int]
 ) -> RequestEndAdmission | None:
     """The admission ``connector``'s options ask for, on its scheduler side (None: store everything,
     the worker side, the stock SimpleCPU scheduler, or a model without Mamba groups).
     ``tail_boundary(request, unit)``: where the scheduler side keys a finished request's attention
-    partial tail; ``eagle_drop``: whether the engine's scheduler runs EAGLE block drop."""
+    partial tail."""
     from hybrid_kv_plugin.offload.mode import OffloadMode
 
     ends = connector.hybrid_kv_options.cpu_tier_request_ends
@@ -119,9 +106,7 @@ def attach_request_end_admission(
     # the connector adds them to the wheel's counters when asked.
     record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
     next_free_block = adapter.next_free_block if ends == AUTO else None
-    return RequestEndAdmission(
-        manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block, eagle_drop
-    )
+    return RequestEndAdmission(manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block)
 
 
 class RequestEndAdmission:
@@ -135,7 +120,6 @@ class RequestEndAdmission:
         tail_boundary: Callable[[Any, int], int],
         record: Callable[[dict[str, int]], None] | None = None,
         next_free_block: Callable[[Any], Any] | None = None,
-        eagle_drop: bool = False,
     ) -> None:
         self.manager = manager
         # ``auto``: decline only once a store would evict (see takes_request_ends); the adapter's
@@ -145,7 +129,6 @@ class RequestEndAdmission:
         self._tail_boundary = tail_boundary
         self._record = record
         self.unit = manager.hash_block_size
-        self.eagle_drop = eagle_drop
         self.grid = grid
         self.declined_states = 0
         self.declined_partial_tails = 0
@@ -187,12 +170,10 @@ class RequestEndAdmission:
         return head is not None and head.block_hash is None
 
     def _declines(self, request: Any, boundary: int) -> bool:
-        """Whether the attention partial tail keyed at ``boundary`` stays off the tier: unless the Mamba
-        state a hit through it resumes at is one the tier keeps (under EAGLE block drop one unit below)."""
-        resumes_at = boundary - self.unit if self.eagle_drop else boundary
-        if resumes_at == getattr(request, "shared_prefix_boundary", 0):
+        """Whether the attention partial tail keyed at ``boundary`` stays off the tier."""
+        if boundary == getattr(request, "shared_prefix_boundary", 0):
             return False
-        return any(resumes_at % size for size in self.grid)
+        return any(boundary % size for size in self.grid)
 
     def declined_since_reset(self) -> int:
         """Hand-offs declined since the scheduler side's counters last started over."""
@@ -219,13 +200,13 @@ class RequestEndAdmission:
             return
         tracked = self.manager._reqs_to_store
         sizes = self.manager.group_block_sizes
-        unit, eagle_drop = self.unit, self.eagle_drop
+        unit = self.unit
         for req_id, entries in handoffs.items():
             state = tracked.get(req_id)
             if state is None:
                 continue  # the scheduler side counts it as gone
             request = state.request
-            tail_start = prompt_tail_start(request.num_prompt_tokens, unit, eagle_drop)
+            tail_start = (request.num_prompt_tokens - 1) // unit * unit
             divergence = getattr(request, "shared_prefix_boundary", 0)
             kept = [
                 entry for entry in entries
