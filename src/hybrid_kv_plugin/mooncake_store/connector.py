@@ -164,7 +164,8 @@ class HybridMooncakeStoreConnector(HybridSimpleCPUConnector):
         if self._tensors() is None:
             self._lookups.pop(request.request_id, None)
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        # An unavailable store is asked below all the same: tier.lookup() answers at once and counts the skip.
+        # An unavailable store is still asked below (tier.lookup() answers at once and counts the skip), but
+        # without the survey: its keys would only be thrown away, on every lookup while the store is down.
         missed: list[bytes] = []
         cache = self.scheduler_manager.cpu_block_pool.cached_block_hash_to_block
         found_one = cache.get_one_block
@@ -178,7 +179,7 @@ class HybridMooncakeStoreConnector(HybridSimpleCPUConnector):
         cache.get_one_block = recording  # this lookup only: instance attribute, removed below
         try:
             result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-            if missed and state is None and result[0] is not None:
+            if missed and state is None and result[0] is not None and tier.available():
                 missed += self._survey(request, num_computed_tokens, found_one)
         finally:
             del cache.get_one_block

@@ -31,7 +31,7 @@ class StoreOptions:
     rdma_devices: str = ""
     global_segment_bytes: int = 256 << 20  # what this engine lends the store (its puts live there)
     local_buffer_bytes: int = 64 << 20
-    lookup_timeout_ms: int = 1000  # past this a lookup is abandoned; a store call past it opens the breaker
+    lookup_timeout_ms: int = 1000  # past this a lookup is abandoned; the store owing an answer this long opens the breaker
     retry_s: float = 5.0  # how long the breaker stays open
     max_queued_puts: int = 256  # blocks waiting for the put thread (each pins a CPU-tier block); more are dropped (counted)
 

@@ -5,11 +5,12 @@ Invariants:
   a daemon thread of their own; the scheduler only queues work and polls finished jobs.
   A master that is down (each call then takes seconds) costs a step a queue operation.
 - A lookup that has not finished within ``lookup_timeout_s`` is abandoned (counted). The
-  circuit breaker opens for ``retry_s`` when the store is the cause: any store error, or a
-  store call running past ``lookup_timeout_s``. Lookups are then answered "nothing" at once and
+  circuit breaker opens for ``retry_s`` when the store is the cause: any store error, or the
+  store owing the lookup thread its current answer for ``lookup_timeout_s`` (from that job's
+  queueing, or from the end of the job before it). Lookups are then answered "nothing" at once and
   puts are dropped (both counted); the first call after that window probes again. A lookup that
-  waited its deadline out behind other healthy lookups opens nothing, and the store is never
-  asked for it.
+  waited its deadline out behind other healthy lookups opens nothing and, if still queued,
+  is never sent.
 - At most ``max_queued_puts`` blocks wait for the put thread (queued, or being read), so a
   store slower than the engine pins a bounded part of the CPU tier; past that a batch is
   dropped (counted), unless nothing waits (a larger batch then goes alone).
