@@ -643,8 +643,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cpu-tier-answer-states-never-demoted",
         "offload/eviction.py",
-        "        if (prompt - 1) // self.unit * self.unit <= boundary <= prompt:\n",
-        "        if (prompt - 1) // self.unit * self.unit <= boundary:\n",
+        "        if prompt_tail_start(prompt, self.unit, self.tail_drop) <= boundary <= prompt:\n",
+        "        if prompt_tail_start(prompt, self.unit, self.tail_drop) <= boundary:\n",
         # Answer states a later one of the same answer supersedes stay in plain LRU: the tier
         # spends a block on each unit of every answer and evicts the conversation's head instead.
         ("tests/test_cpu_tier_eviction.py::test_superseded_answer_states_are_evicted_first",),
@@ -693,6 +693,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "or entry[2] <= tail_start or",
         # A prompt-end state exactly at the prompt's tail position reaches the CPU tier anyway.
         ("tests/test_cpu_tier_request_ends.py::test_next_turn_resumes_below_a_skipped_end",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "prompt-tail-start-ignores-eagle-drop",
+        "offload/admission.py",
+        " - (unit if tail_drop else 0)",
+        "",
+        # Under EAGLE block drop the tail state one unit lower counts as a chunk end: the admission
+        # stores it (unreachable without its declined partial tail), the hybrid order demotes it.
+        (
+            "tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_the_eagle_prompt_tail",
+            "tests/test_eagle_cpu_tier_request_ends.py::test_hybrid_order_keeps_the_eagle_prompt_tail",
+        ),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
@@ -832,6 +845,39 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if getattr(self, \"_hybrid_kv_remaining_blocks_this_step\", None) is None:\n            self._hybrid_kv_remaining_blocks_this_step = {}\n        try:\n            if args or kwargs:\n                return original(self, *args, **kwargs)\n            return original(self)  # a plain call: no argument tuple and dict to build\n        finally:\n            # Outside a step the wheel's method answers: the record holds only this step's counts.\n            pass\n",
         ("tests/test_remaining_blocks_once_per_step.py::test_recorded_counts_equal_the_wheels",),
         ("0.33.0",),
+    ),
+    Mutant(
+        "cpu-tier-reset-keeps-eviction-ghosts",
+        "offload/eviction.py",
+        "        self.ghosts.forget_keys()\n",
+        "        pass\n",
+        # Keys evicted before a CPU-cache reset stay ghosts: the next lookups charge the reset's
+        # losses to an eviction class (320 tokens to plain evictions in the test).
+        ("tests/test_cpu_tier_eviction.py::test_a_cpu_cache_reset_is_no_eviction_loss",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "store-agent-hung-call-left-running",
+        "mooncake_store/agent.py",
+        "                self.proc.kill()\n                self.proc.wait()\n                raise TimeoutError(",
+        "                raise TimeoutError(",
+        # The call gives up but the agent lives on, still busy: the tier keeps the client, whose
+        # every later call waits out the timeout again; nothing is replaced.
+        (
+            "tests/test_mooncake_agent.py::test_a_call_the_agent_never_answers_kills_it",
+            "tests/test_mooncake_agent.py::test_the_tier_replaces_an_agent_that_hung",
+        ),
+        ("0.33.0",),
+    ),
+    Mutant(
+        "request-ends-partial-tail-ignores-eagle-drop",
+        "offload/admission.py",
+        "        resumes_at = boundary - self.unit if self.resume_drop else boundary\n",
+        "        resumes_at = boundary\n",
+        # Under EAGLE block drop ``skip`` declines the partial tail a hit resuming at a stored grid state
+        # reads: the next turn hits nothing instead of 320.
+        ("tests/test_eagle_cpu_tier_request_ends.py::test_skip_declines_both_eagle_tail_positions",),
+        ("0.29.0", "0.33.0"),
     ),
     Mutant(
         "store-breaker-opens-for-a-queued-lookup",

@@ -231,3 +231,27 @@ def test_demotion_stops_while_it_costs_more_than_lru(plugin, adapter):
     assert learned == [256, 256, 0, 256, 256, 256, 256, 256]
     assert (order.ghosts.totals["lost_demoted"], order.ghosts.totals["lost_plain"]) == (256, 0)
     assert not order.ghosts.demotion_pays() and order.stats["demotion_withheld"] > 0
+
+
+# Plain evictions of the 12 fillers that push A out of the 80-block tier (each wheel's chunking).
+PUSHED_OUT = {"0.26.0": 75, "0.27.1": 75, "0.32.0": 69, "0.33.0": 69}
+
+
+def test_a_cpu_cache_reset_is_no_eviction_loss(plugin, adapter):
+    """A (336 tokens) is stored, then pushed out of the tier (62-75 plain evictions); the CPU cache is
+    reset. A's next turn hits nothing, and no eviction class is charged for it: the reset would
+    have dropped A's copies too (with the evicted keys kept across the reset, the what-if lookup
+    charged 320 tokens to plain evictions and tilted the demotion verdict)."""
+    tier = Tier(adapter, "hybrid")
+    order = tier.engine.connector.cpu_tier_policy
+    a = tokens(336, seed=1)
+    assert tier.request(a) == 0
+    for i in range(12):
+        tier.request(tokens(160, seed=100 + i))
+    pushed_out = PUSHED_OUT.get(adapter.version, 62)
+    assert (len(order.ghosts), order.ghosts.totals["evicted_plain"]) == (pushed_out, pushed_out)
+    tier.reset_gpu()
+    assert tier.engine.connector.reset_cache() is True
+    assert (len(order.ghosts), order.demoted) == (0, {})
+    assert tier.request([*a, *tokens(20, seed=7)]) == 0
+    assert (order.ghosts.totals["lost_plain"], order.ghosts.totals["lost_demoted"]) == (0, 0)

@@ -12,7 +12,6 @@ pays the cost only once the tier is full.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -21,13 +20,10 @@ from hybrid_kv_plugin.adapters import Feature, Support
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.connector_names import CONNECTOR_NAME
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
-from hybrid_kv_plugin.sim.invariants import OffloadInvariants
 
-from scenarios.offload import CONTINUATION
+from scenarios.offload import CONTINUATION, REQUEST_ENDS_TIER_BYTES as TIER_BYTES, RequestEndsTier
 
 FA32 = HybridGeometry(attention_block_size=32)
-# 2 KiB pages under FA32: a CPU tier of 80 blocks (79 past the null block).
-TIER_BYTES = 80 * 2048
 REFUSED = (
     "invalid hybrid-kv-plugin configuration: kv_connector_extra_config.cpu_tier_request_ends: 'skip' "
     "needs the fine-grained hybrid SimpleCPU connector"
@@ -40,45 +36,7 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n)]
 
 
-class Tier:
-    """One engine with an 80-block CPU tier; ``request`` runs a prompt to completion and returns its hit."""
-
-    def __init__(self, adapter, ends: str, additional_config: dict | None = None, **extra):
-        self.engine = SimEngine(
-            FA32,
-            adapter=adapter,
-            kv_connector=CONNECTOR_NAME,
-            kv_connector_extra_config={"cpu_bytes_to_use": TIER_BYTES, "cpu_tier_request_ends": ends, **extra},
-            additional_config=additional_config,
-        )
-        assert len(self.engine.offload_manager.cpu_block_pool.blocks) == 80
-        self.invariants = OffloadInvariants(self.engine)
-        self._ids = itertools.count()
-
-    def request(self, prompt) -> int:
-        req_id = f"r{next(self._ids)}"
-        hit = self.engine.run([(req_id, prompt)], max_tokens=1)[req_id]
-        self.invariants.check()
-        return hit
-
-    def reset_gpu(self) -> None:
-        assert self.engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
-
-    def held(self) -> int:
-        """CPU blocks holding a copy (keyed)."""
-        return sum(block.block_hash is not None for block in self.engine.offload_manager.cpu_block_pool.blocks)
-
-    def declined(self) -> tuple[int, int] | None:
-        """(Mamba states, attention partial tails) the admission declined; None: no admission attached.
-        The connector's boundary-store counters count each declined state once, as an outcome."""
-        admission = self.engine.connector.request_end_admission
-        stats = self.engine.connector.get_boundary_store_stats()
-        assert stats.published == sum(v for k, v in stats.as_dict().items() if k != "published")
-        if admission is None:
-            assert stats.declined_request_end == 0
-            return None
-        assert stats.declined_request_end == admission.declined_states
-        return admission.declined_states, admission.declined_partial_tails
+Tier = RequestEndsTier
 
 
 def _next_turn(adapter, ends: str, prompt_tokens: int) -> tuple[int, int, tuple[int, int] | None]:

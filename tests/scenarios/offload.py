@@ -83,3 +83,50 @@ def gpu_local_hit(adapter: Any, prompt: Sequence[int], *, geometry: HybridGeomet
     engine = SimEngine(geometry or HybridGeometry(), adapter=adapter, configure=configure)
     engine.run([("a", prompt)], max_tokens=max_tokens)
     return engine.run([("b", [*prompt, *CONTINUATION] if replay is None else replay)])["b"]
+
+
+# 2 KiB pages under attention block 32: a CPU tier of 80 blocks (79 past the null block).
+REQUEST_ENDS_TIER_BYTES = 80 * 2048
+
+
+class RequestEndsTier:
+    """One engine with an 80-block CPU tier and ``cpu_tier_request_ends: ends`` (attention block 32
+    unless ``geometry`` says otherwise); ``request`` runs a prompt to completion and returns its hit."""
+
+    def __init__(self, adapter: Any, ends: str, additional_config: dict | None = None,
+                 geometry: HybridGeometry | None = None, **extra: Any) -> None:  # fmt: skip
+        self.engine = SimEngine(
+            geometry or HybridGeometry(attention_block_size=32),
+            adapter=adapter,
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_extra_config={"cpu_bytes_to_use": REQUEST_ENDS_TIER_BYTES, "cpu_tier_request_ends": ends, **extra},
+            additional_config=additional_config,
+        )
+        assert len(self.engine.offload_manager.cpu_block_pool.blocks) == 80
+        self.invariants = OffloadInvariants(self.engine)
+        self._ids = itertools.count()
+
+    def request(self, prompt: Sequence[int]) -> int:
+        req_id = f"r{next(self._ids)}"
+        hit = self.engine.run([(req_id, prompt)], max_tokens=1)[req_id]
+        self.invariants.check()
+        return hit
+
+    def reset_gpu(self) -> None:
+        assert self.engine.reset_prefix_cache(), "the GPU prefix cache must be resettable once idle"
+
+    def held(self) -> int:
+        """CPU blocks holding a copy (keyed)."""
+        return sum(block.block_hash is not None for block in self.engine.offload_manager.cpu_block_pool.blocks)
+
+    def declined(self) -> tuple[int, int] | None:
+        """(Mamba states, attention partial tails) the admission declined; None: no admission attached.
+        The connector's boundary-store counters count each declined state once, as an outcome."""
+        admission = self.engine.connector.request_end_admission
+        stats = self.engine.connector.get_boundary_store_stats()
+        assert stats.published == sum(v for k, v in stats.as_dict().items() if k != "published")
+        if admission is None:
+            assert stats.declined_request_end == 0
+            return None
+        assert stats.declined_request_end == admission.declined_states
+        return admission.declined_states, admission.declined_partial_tails

@@ -252,6 +252,19 @@ class VllmAdapter:
         scheduler_manager._free_pending_cpu_hit(pending)
         return True
 
+    def scheduler_eagle_drop(self, vllm_config: Any) -> bool:
+        """What the Scheduler built from ``vllm_config`` sets ``scheduler_eagle_drop_attr`` to (prefix
+        hits drop their last matched unit for the drafter), for code that never sees that Scheduler
+        (the SimpleCPU connector's scheduler side): up to 0.29, any EAGLE-family drafter."""
+        speculative_config = vllm_config.speculative_config
+        return speculative_config is not None and bool(speculative_config.use_eagle())
+
+    def cpu_tier_lookup_drops_unit(self, vllm_config: Any) -> bool:
+        """Whether the SimpleCPU scheduler side's own coordinator, built from ``vllm_config``, drops a
+        CPU-tier hit's last matched unit for the drafter: a hit through an attention block keyed at
+        position p then resumes at p - unit. 0.26 builds it with ``use_eagle=False``: never."""
+        return False
+
     def reads_next_free_block(self, block_pool: Any) -> bool:
         """Whether ``next_free_block`` can answer for this pool: its free queue keeps a sentinel
         head (every wheel 0.26-0.33 does)."""

@@ -1,5 +1,7 @@
 """vLLM 0.27.x: the NIXL scheduler clips SSM exchange lists natively (Mamba state-slot pairing)."""
 
+from typing import Any
+
 from hybrid_kv_plugin.adapters.vllm_0_26 import Vllm026Adapter, _nixl_scheduler_clips_ssm
 
 
@@ -20,6 +22,10 @@ class Vllm027Adapter(Vllm026Adapter):
     kv_cache_manager_pins_partial_tails = True
     # Every prompt chunk ends on the Mamba grid (vLLM PR #51113).
     mamba_split_aligns_below_cache_limit_only = False
+
+    def cpu_tier_lookup_drops_unit(self, vllm_config: Any) -> bool:
+        # The SimpleCPU coordinator is built with the drafter's use_eagle() (0.27-0.29).
+        return self.scheduler_eagle_drop(vllm_config)
 
     @classmethod
     def probe(cls) -> bool:

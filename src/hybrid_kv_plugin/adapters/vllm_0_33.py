@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybrid_kv_plugin.adapters.probes import has
 from hybrid_kv_plugin.adapters.vllm_0_31 import Vllm031Adapter
 from hybrid_kv_plugin.adapters.vllm_0_32 import Vllm032Adapter
@@ -16,6 +18,11 @@ class Vllm033Adapter(Vllm032Adapter):
     kv_cache_config_carries_hash_sizes = True
     simplecpu_stock_keys = Vllm032Adapter.simplecpu_stock_keys | {"num_cpu_blocks"}
     simplecpu_block_count_gated_by_name = True
+
+    def scheduler_eagle_drop(self, vllm_config: Any) -> bool:
+        # Where request hashes include the drafter's lookahead tokens, they prove the boundary
+        # token and the Scheduler drops nothing (0 with a KV connector: legacy hashes).
+        return super().scheduler_eagle_drop(vllm_config) and not vllm_config.num_hash_lookahead_tokens
 
     @classmethod
     def probe(cls) -> bool:

@@ -19,12 +19,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 
 from hybrid_kv_plugin.attention_partial_block import attention_tail_boundary
-from hybrid_kv_plugin.config import connector_options_from
+from hybrid_kv_plugin.config import connector_options_from, plugin_config_from
 from hybrid_kv_plugin.offload.admission import attach_request_end_admission, check_cpu_tier_request_ends
 from hybrid_kv_plugin.offload.eviction import attach_cpu_tier_policy, check_cpu_tier_eviction
 from hybrid_kv_plugin.offload.metrics import OffloadOutcomePromMetrics, OffloadOutcomeStats
 from hybrid_kv_plugin.offload.mode import OffloadMode, choose_mode
 from hybrid_kv_plugin.offload.stats import OUTCOME_LABELS, BoundaryStoreStats
+from hybrid_kv_plugin.prompt_tail.policy import NATIVE as NATIVE_PROMPT_TAIL
 from hybrid_kv_plugin.registration import current_adapter
 
 
@@ -55,10 +56,15 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
 
             self.scheduler_manager = FineGrainedOffloadScheduler.adopt(self.scheduler_manager, adapter)
             self._backport_scheduler = self.scheduler_manager
+        # Under EAGLE block drop the prompt's tail state sits one unit lower, and a CPU-tier hit
+        # resumes one unit below its last attention block; each where this wheel does so.
+        tail_drop = _prompt_tail_drops_unit(adapter, vllm_config)
         # The CPU tier's eviction order (offload/eviction.py); None: the wheel's LRU.
-        self.cpu_tier_policy = attach_cpu_tier_policy(self)
+        self.cpu_tier_policy = attach_cpu_tier_policy(self, tail_drop)
         # Which request-end states the CPU tier declines (offload/admission.py); None: it takes all.
-        self.request_end_admission = attach_request_end_admission(self, kv_cache_config, attention_tail_boundary)
+        self.request_end_admission = attach_request_end_admission(
+            self, kv_cache_config, attention_tail_boundary, tail_drop, adapter.cpu_tier_lookup_drops_unit(vllm_config)
+        )
         # Set by the divergence option's binding (divergence/cpu_tier.py); None: not tracked.
         self.cpu_tier_reach: Any = None
         if self._native_metrics:
@@ -91,6 +97,12 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         super().clear_connector_metadata()
 
     # ------------------------------------------------------------------ scheduler side
+    def reset_cache(self) -> Any:
+        done = super().reset_cache()
+        if done and self.cpu_tier_policy is not None:
+            self.cpu_tier_policy.cache_reset()  # its record of evictions must not outlive the copies
+        return done
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         policy = self.cpu_tier_policy
         if policy is None:
@@ -208,3 +220,15 @@ class HybridSimpleCPUConnector(SimpleCPUOffloadConnector):
         if current_adapter().has_native_simplecpu_metrics:
             return super().build_prom_metrics(*args, **kwargs)
         return OffloadOutcomePromMetrics(*args, **kwargs)
+
+
+def _prompt_tail_drops_unit(adapter: Any, vllm_config: Any) -> bool:
+    """Whether the engine keeps a prompt's tail Mamba state one unit lower: under the scheduler's
+    EAGLE block drop, where the wheel moves its own tail state (0.30+) or ``prompt_tail_checkpoint``
+    places it (0.29+; 0.26-0.28 refuse every value but ``native``)."""
+    if not adapter.scheduler_eagle_drop(vllm_config):
+        return False
+    if adapter.native_prompt_tail_eagle_shift:
+        return True
+    mode = plugin_config_from(getattr(vllm_config, "additional_config", None)).prompt_tail_checkpoint
+    return mode != NATIVE_PROMPT_TAIL

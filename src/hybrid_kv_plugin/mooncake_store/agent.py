@@ -14,13 +14,18 @@ where they were written until its segment is full; then they spill to the others
 
 Invariants: one request at a time per agent (a lock); the agent exits when its stdin
 closes (the engine process died) or on ``close``; :meth:`AgentClient.close` ends it by its
-PID if it does not exit within 5 s. Messages are pickled tuples with an 8-byte length.
+PID if it does not exit within 5 s; an agent that has not begun to answer a call within
+``call_timeout_s`` (default :data:`CALL_TIMEOUT_S`) is killed and the call raises, so a hung
+store call costs the tier one failed call and a new agent (``alive()`` is False from then on),
+not a thread blocked for good with its queued blocks pinned. Messages are pickled tuples with
+an 8-byte length.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -28,6 +33,8 @@ import threading
 from typing import Any, BinaryIO
 
 _LENGTH = struct.Struct("<Q")
+# Far above any healthy call (a put with the master down returns after ~4.4 s, measured).
+CALL_TIMEOUT_S = 60.0
 
 
 def _send(stream: BinaryIO, message: Any) -> None:
@@ -47,10 +54,16 @@ def _receive(stream: BinaryIO) -> Any:
 class AgentClient:
     """``setup`` runs in the agent at start; an agent that fails to set up raises here."""
 
-    def __init__(self, setup_args: tuple[Any, ...]) -> None:
+    def __init__(
+        self,
+        setup_args: tuple[Any, ...],
+        call_timeout_s: float = CALL_TIMEOUT_S,
+        command: list[str] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
+        self.call_timeout_s = call_timeout_s
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hybrid_kv_plugin.mooncake_store.agent"],
+            command or [sys.executable, "-m", "hybrid_kv_plugin.mooncake_store.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
         )  # fmt: skip
         self.pid = self.proc.pid
@@ -63,6 +76,13 @@ class AgentClient:
         with self._lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
             _send(self.proc.stdin, (op, args))
+            # Between calls nothing is buffered (one reply per request), so the pipe itself tells
+            # whether the reply has begun.
+            ready, _, _ = select.select([self.proc.stdout], [], [], self.call_timeout_s)
+            if not ready:
+                self.proc.kill()
+                self.proc.wait()
+                raise TimeoutError(f"store agent did not answer {op} within {self.call_timeout_s:g} s: killed")
             ok, value = _receive(self.proc.stdout)
         if not ok:
             raise RuntimeError(value)

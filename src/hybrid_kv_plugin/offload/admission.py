@@ -22,12 +22,16 @@ that scheduler sees them; it allocates and evicts nothing in the CPU pool.
 Invariants:
 
 - a Mamba hand-off is declined iff its boundary is off the grid of its group's Mamba
-  block, at or past the request's prompt-tail position ((N - 1) floored to the unit, N
-  the prompt length: the native replay position and the prompt's last unit boundary
-  both qualify) and not the request's divergence point (``shared_prefix_boundary``,
-  which other requests share by construction);
-- the attention partial tail is declined iff its boundary is off the Mamba grid and not
-  the divergence point (a partial tail whose Mamba state the tier keeps is still stored);
+  block, at or past the request's prompt-tail start (:func:`prompt_tail_start`: (N - 1)
+  floored to the unit, N the prompt length, so the native replay position and the
+  prompt's last unit boundary both qualify; one unit lower where the tail state moves
+  under EAGLE block drop (``tail_drop``: ``prompt_tail_checkpoint`` on 0.29+, the wheel
+  itself on 0.30+), e.g. N=300, unit 16: 272, not 288) and not the request's divergence
+  point (``shared_prefix_boundary``, which other requests share by construction);
+- the attention partial tail is declined iff the position a hit through it resumes at (its
+  boundary; one unit lower where the CPU tier's own lookup drops the drafter's unit,
+  ``resume_drop``: 0.27+ under EAGLE) is off the Mamba grid and not the divergence point
+  (a partial tail whose Mamba state the tier keeps is still stored);
 - with ``auto`` nothing is declined while the block at the head of the CPU pool's free queue (the
   next one a store takes) has never held a copy: a store then evicts nothing;
 - states on the Mamba grid, chunk ends inside the prompt and divergence states are
@@ -67,6 +71,14 @@ def check_cpu_tier_request_ends(value: str, mode: Any, adapter: Any) -> None:
         )
 
 
+def prompt_tail_start(num_prompt_tokens: int, unit: int, tail_drop: bool) -> int:
+    """The lowest position at which a wheel or ``prompt_tail_checkpoint`` keeps a prompt's tail
+    Mamba state: the last unit boundary <= N-1 (the replay position; the prompt's last unit
+    boundary and the 0.32+ positions are at or above it), one unit lower where the tail moves
+    under EAGLE block drop (``tail_drop``). Anything below is a chunk end inside the prompt."""
+    return (num_prompt_tokens - 1) // unit * unit - (unit if tail_drop else 0)
+
+
 def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
     """The block sizes of the Mamba groups (empty for a model without one)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -76,12 +88,16 @@ def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
 
 
 def attach_request_end_admission(
-    connector: Any, kv_cache_config: Any, tail_boundary: Callable[[Any, int], int]
+    connector: Any,
+    kv_cache_config: Any,
+    tail_boundary: Callable[[Any, int], int],
+    tail_drop: bool = False,
+    resume_drop: bool = False,
 ) -> RequestEndAdmission | None:
     """The admission ``connector``'s options ask for, on its scheduler side (None: store everything,
     the worker side, the stock SimpleCPU scheduler, or a model without Mamba groups).
     ``tail_boundary(request, unit)``: where the scheduler side keys a finished request's attention
-    partial tail."""
+    partial tail; ``tail_drop``/``resume_drop``: see the module's invariants."""
     from hybrid_kv_plugin.offload.mode import OffloadMode
 
     ends = connector.hybrid_kv_options.cpu_tier_request_ends
@@ -106,7 +122,9 @@ def attach_request_end_admission(
     # the connector adds them to the wheel's counters when asked.
     record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
     next_free_block = adapter.next_free_block if ends == AUTO else None
-    return RequestEndAdmission(manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block)
+    return RequestEndAdmission(
+        manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block, tail_drop, resume_drop
+    )
 
 
 class RequestEndAdmission:
@@ -120,6 +138,8 @@ class RequestEndAdmission:
         tail_boundary: Callable[[Any, int], int],
         record: Callable[[dict[str, int]], None] | None = None,
         next_free_block: Callable[[Any], Any] | None = None,
+        tail_drop: bool = False,
+        resume_drop: bool = False,
     ) -> None:
         self.manager = manager
         # ``auto``: decline only once a store would evict (see takes_request_ends); the adapter's
@@ -129,6 +149,8 @@ class RequestEndAdmission:
         self._tail_boundary = tail_boundary
         self._record = record
         self.unit = manager.hash_block_size
+        self.tail_drop = tail_drop
+        self.resume_drop = resume_drop
         self.grid = grid
         self.declined_states = 0
         self.declined_partial_tails = 0
@@ -170,10 +192,12 @@ class RequestEndAdmission:
         return head is not None and head.block_hash is None
 
     def _declines(self, request: Any, boundary: int) -> bool:
-        """Whether the attention partial tail keyed at ``boundary`` stays off the tier."""
-        if boundary == getattr(request, "shared_prefix_boundary", 0):
+        """Whether the attention partial tail keyed at ``boundary`` stays off the tier: unless the Mamba
+        state a hit through it resumes at is one the tier keeps (one unit below where the lookup drops it)."""
+        resumes_at = boundary - self.unit if self.resume_drop else boundary
+        if resumes_at == getattr(request, "shared_prefix_boundary", 0):
             return False
-        return any(boundary % size for size in self.grid)
+        return any(resumes_at % size for size in self.grid)
 
     def declined_since_reset(self) -> int:
         """Hand-offs declined since the scheduler side's counters last started over."""
@@ -200,13 +224,13 @@ class RequestEndAdmission:
             return
         tracked = self.manager._reqs_to_store
         sizes = self.manager.group_block_sizes
-        unit = self.unit
+        unit, tail_drop = self.unit, self.tail_drop
         for req_id, entries in handoffs.items():
             state = tracked.get(req_id)
             if state is None:
                 continue  # the scheduler side counts it as gone
             request = state.request
-            tail_start = (request.num_prompt_tokens - 1) // unit * unit
+            tail_start = prompt_tail_start(request.num_prompt_tokens, unit, tail_drop)
             divergence = getattr(request, "shared_prefix_boundary", 0)
             kept = [
                 entry for entry in entries

@@ -28,7 +28,8 @@ blocks inside the free queue. Invariants:
   its CPU copy (same key) moved to the MRU end, as a CPU load would;
 - **intermediate**: when a request hands off a Mamba state deeper than one it handed off
   before, the earlier one is *superseded*; a superseded state that is not at a prompt-tail
-  position (the prompt's last unit boundary, or the last one <= N-1) and not the request's
+  position (the prompt's last unit boundary, or the last one <= N-1; where the tail moves
+  under EAGLE block drop also the unit below: ``offload.admission.prompt_tail_start``) and not the request's
   divergence point (``shared_prefix_boundary``) is *demoted*: chunk ends inside the prompt and
   answer states a later answer state supersedes. Its copy (once published) is
   evicted before any LRU block, oldest demotion first, **while demoting pays**. A request's
@@ -54,6 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hybrid_kv_plugin.config import PluginConfigError
+from hybrid_kv_plugin.offload.admission import prompt_tail_start
 from hybrid_kv_plugin.offload.ghosts import DEMOTED, PLAIN, EvictionGhosts
 
 # The choices of ``kv_connector_extra_config.cpu_tier_eviction``.
@@ -75,8 +77,9 @@ def check_cpu_tier_eviction(value: str, mode: Any, adapter: Any) -> None:
         )
 
 
-def attach_cpu_tier_policy(connector: Any) -> HybridTierPolicy | None:
-    """The policy ``connector``'s options ask for, on its scheduler side (None: LRU, or the worker side)."""
+def attach_cpu_tier_policy(connector: Any, tail_drop: bool = False) -> HybridTierPolicy | None:
+    """The policy ``connector``'s options ask for, on its scheduler side (None: LRU, or the worker side).
+    ``tail_drop``: whether the prompt's tail state sits one unit lower (EAGLE block drop)."""
     if connector.hybrid_kv_options.cpu_tier_eviction != HYBRID:
         return None
     manager = getattr(connector, "scheduler_manager", None)
@@ -90,16 +93,23 @@ def attach_cpu_tier_policy(connector: Any) -> HybridTierPolicy | None:
             f"reads the CPU pool's free queue, which vLLM {adapter.version}'s pool does not expose "
             "(allowed here: lru)"
         )
-    return HybridTierPolicy(manager, manager.hash_block_size, adapter.free_blocks_at_head)
+    return HybridTierPolicy(manager, manager.hash_block_size, adapter.free_blocks_at_head, tail_drop)
 
 
 class HybridTierPolicy:
     """The hybrid eviction order on one SimpleCPU scheduler's CPU pool."""
 
-    def __init__(self, manager: Any, hash_block_size: int, free_blocks_at_head: Callable[[Any, int], list[Any]]) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        hash_block_size: int,
+        free_blocks_at_head: Callable[[Any, int], list[Any]],
+        tail_drop: bool = False,
+    ) -> None:
         self.manager = manager
         self.pool = manager.cpu_block_pool
         self.unit = hash_block_size
+        self.tail_drop = tail_drop  # the prompt tail sits one unit lower (prompt_tail_start)
         # The adapter's read of the blocks the pool hands out next (not taken).
         self._at_head = free_blocks_at_head
         # Per running request: its deepest state handed off so far (boundary, keys).
@@ -335,6 +345,13 @@ class HybridTierPolicy:
         if self.demoted.pop(block.block_id, None) is not None:
             self.stats["promoted"] += 1
 
+    def cache_reset(self) -> None:
+        """The CPU cache was reset (every copy dropped, no store in flight): nothing is demoted or
+        waiting to be, and keys evicted before are no loss of an eviction class any more."""
+        self.demoted.clear()
+        self._pending.clear()
+        self.ghosts.forget_keys()
+
     def forget(self, req_ids: Iterable[str]) -> None:
         """Requests that left: no later hand-off of theirs will supersede anything."""
         for req_id in req_ids:
@@ -343,12 +360,15 @@ class HybridTierPolicy:
 
     def is_intermediate(self, request: Any, boundary: int) -> bool:
         """Whether a superseded state at ``boundary`` may go first: anything but the prompt's tail
-        (its last unit boundary and the last one <= N-1 are both kept: the wheel or
-        ``prompt_tail_checkpoint`` puts the tail state at either; an exact replay resumes there)
+        (from :func:`prompt_tail_start` to N: the last one <= N-1 and the prompt's last unit
+        boundary are both kept, the wheel or ``prompt_tail_checkpoint`` puts the tail state at
+        either; where the tail moves under EAGLE block drop both move one unit down, and ``both``
+        keeps two states there on 0.29-0.31, e.g. N=336, unit 16: 304 and 320; an exact replay
+        resumes there)
         and the request's divergence point. An answer state a deeper one of the same answer
         supersedes (``mamba_output_checkpoint`` keeps one per unit of the answer) goes first."""
         prompt = request.num_prompt_tokens
-        if (prompt - 1) // self.unit * self.unit <= boundary <= prompt:
+        if prompt_tail_start(prompt, self.unit, self.tail_drop) <= boundary <= prompt:
             return False
         return boundary != getattr(request, "shared_prefix_boundary", None)
 

@@ -17,6 +17,7 @@ Invariants:
 
 - at most ``capacity`` keys are remembered (the oldest goes first); a key evicted again
   replaces its old entry; a key the tier holds again is not a ghost (the lookup finds it);
+  none survives a reset of the tier's cache (:meth:`EvictionGhosts.forget_keys`);
 - the counts decay: once a window of evictions (``capacity``) has been recorded, every count is
   halved, so the verdict follows the workload as it changes;
 - an eviction belongs to whoever chose it: *demoted* only for the order's own victims; a
@@ -73,6 +74,11 @@ class EvictionGhosts:
             self._since_decay = 0
             self.evicted = [n / 2 for n in self.evicted]
             self.lost = [n / 2 for n in self.lost]
+
+    def forget_keys(self) -> None:
+        """The tier's cache was reset: no remembered key can be lost to an eviction any more (the
+        reset would have removed it too). The counts, the evidence so far, stay."""
+        self._classes.clear()
 
     def charge(self, kind: int, tokens: int) -> None:
         """A lookup would have hit ``tokens`` more had the evicted keys of ``kind`` been held."""
