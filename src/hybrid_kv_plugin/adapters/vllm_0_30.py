@@ -33,13 +33,11 @@ class Vllm030Adapter(Vllm029Adapter):
     mamba_manager_attributes_past_inline = True
 
     def scheduler_eagle_drop(self, vllm_config: Any) -> bool:
-        # SpeculativeConfig.use_eagle_block_drop(): EAGLE-style drafters unless the drop is disabled.
-        speculative_config = vllm_config.speculative_config
-        return speculative_config is not None and bool(speculative_config.use_eagle_block_drop())
+        return _eagle_block_drop(vllm_config)
 
     def cpu_tier_lookup_drops_unit(self, vllm_config: Any) -> bool:
         # Built with use_eagle_block_drop() whatever the request hashes carry (0.30-0.33).
-        return Vllm030Adapter.scheduler_eagle_drop(self, vllm_config)
+        return _eagle_block_drop(vllm_config)
 
     def offload_group_block_sizes(self, coordinator: Any) -> tuple[int, ...]:
         return tuple(coordinator.group_block_sizes)
@@ -54,3 +52,9 @@ class Vllm030Adapter(Vllm029Adapter):
     @classmethod
     def probe(cls) -> bool:
         return "enable_mamba_fine_grained_prefix_cache" in cache_config_fields()
+
+
+def _eagle_block_drop(vllm_config: Any) -> bool:
+    """SpeculativeConfig.use_eagle_block_drop(): EAGLE-style drafters unless the drop is disabled."""
+    speculative_config = vllm_config.speculative_config
+    return speculative_config is not None and bool(speculative_config.use_eagle_block_drop())
