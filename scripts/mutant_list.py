@@ -241,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if key is not None and num_tokens > computed:\n",
         # Marks only keys of positions already computed: the hit on this step's block is not deferred.
         "        if key is not None and num_tokens <= computed:\n",
-        ("tests/test_reliability_regressions.py::test_partial_hit_on_a_block_this_step_writes_waits_a_step",),
+        ("tests/test_same_step_partial_hit.py::test_partial_hit_on_a_block_this_step_writes_waits_a_step",),
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
@@ -575,9 +575,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "divergence-attention-keyed-only-at-the-last-unit",
         "divergence/attention.py",
-        "    for position in range((done // unit + 1) * unit, limit + 1, unit):\n",
-        "    for position in range(limit // unit * unit, limit + 1, unit):\n",
-        # Only the last unit boundary a chunk computed is keyed, not every one since the last call.
+        "    for position in range(deepest // unit * unit, index * size, -unit):\n",
+        "    for position in range(deepest // unit * unit, deepest // unit * unit - 1, -unit):\n",
+        # Only the deepest unit boundary of each block is keyed, not every one up to it.
         ("tests/test_divergence_checkpoint.py::test_third_request_resumes_at_the_divergence_point",),
         ("0.29.0", "0.33.0"),
     ),
@@ -868,6 +868,16 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_mooncake_agent.py::test_the_tier_replaces_an_agent_that_hung",
         ),
         ("0.33.0",),
+    ),
+    Mutant(
+        "divergence-keys-lost-when-their-block-fills",
+        "divergence/attention.py",
+        "        _key_block_interior(manager, request, top // size, top)\n        keyed = _NEVER\n",
+        "        keyed = _NEVER\n",
+        # The block holding the prompt's end keeps no unit key once the answer fills it: a sibling
+        # sharing 800 tokens sees no divergence (junction 0) and the next one hits 544, not 800.
+        ("tests/test_divergence_checkpoint.py::test_unit_keys_outlive_the_answer_that_fills_their_block",),
+        ("0.29.0", "0.33.0"),
     ),
     Mutant(
         "request-ends-partial-tail-ignores-eagle-drop",

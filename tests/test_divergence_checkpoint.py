@@ -18,6 +18,7 @@ the tier's lookup.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -230,6 +231,41 @@ def test_cost_one_mamba_block_per_divergence(plugin, adapter, case):
     assert (stock.mamba_states, kept.mamba_states) == (stock_states, states)
     # Each kept state is stored on the CPU tier once (no double store).
     assert (stock.stored, kept.stored) == (stock_states, states)
+
+
+def _after_an_answer(adapter, config: dict, answer_tokens: int) -> tuple[tuple[int, int, int], int]:
+    """Qwen3-Next geometry. r0: a 1,000-token prompt, whose end sits inside attention block 1
+    (544..1088), and ``answer_tokens`` more; r1 and r2 share its first 800 tokens. Returns the
+    hits and r1's divergence point."""
+    engine = SimEngine(QWEN3_NEXT, adapter=adapter, kv_connector=CONNECTOR_NAME,
+                       kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES}, additional_config=config)  # fmt: skip
+    prefix = _random_tokens(1000, seed=0)
+    prompts = [(prefix, answer_tokens)]
+    prompts += [(prefix[:800] + _random_tokens(100, seed=k), 2) for k in (1, 2)]
+    requests = []
+    for k, (prompt, max_tokens) in enumerate(prompts):
+        requests.append(engine.add_request(f"r{k}", prompt, max_tokens=max_tokens))
+        engine.run_until_idle()
+    return tuple(engine.outcomes[f"r{k}"].hit_tokens for k in range(3)), requests[1].shared_prefix_boundary
+
+
+def _random_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+@pytest.mark.both_schedulers
+def test_unit_keys_outlive_the_answer_that_fills_their_block(plugin, adapter):
+    """r0's answer (100 tokens) fills the attention block holding its prompt's end; the block's
+    promotion to a full key drops its partial keys. The option keys the block's unit boundaries
+    again under the full key, so r1 still sees the divergence at 800 and keeps the state there,
+    and r2 resumes at 800, as after a 2-token answer (before, r1 saw none: junction 0, r2 hit 544,
+    what the wheel alone gets)."""
+    if _refused_here(adapter, lambda: _after_an_answer(adapter, ON, 100)):
+        return
+    assert _after_an_answer(adapter, OFF, 100) == ((0, 544, 544), 0)
+    assert _after_an_answer(adapter, ON, 2) == ((0, 544, 800), 800)
+    assert _after_an_answer(adapter, ON, 100) == ((0, 544, 800), 800)
 
 
 # Request 2's whole-prompt Mamba count, as vLLM's admission check asks it (apply_admission_cap),

@@ -238,39 +238,6 @@ def test_copy_chains_resolve_to_the_first_source():
     assert resolve_copy_chains(chain) == [Copy(5, 17), Copy(3, 4), Copy(5, 7), Copy(5, 9)]
 
 
-# Same-step partial hits (patches/local_hit_admission.py), found by the byte check: seed 2 of
-# ``plugin-divergence-fa64`` (attention block = Mamba block = 64, unit 16, every unit keyed) admits
-# a request in the step that computes tokens 64..112 of the prefix it shares; its hit of 80 ends
-# inside that block, and the copy-on-write copy of it runs before the forward pass writes it.
-# Per wheel: each zeroed read of the unpatched run as (step, request, hit, chunk end, block id).
-SAME_STEP_PARTIAL_HIT_STEPS = 2_200
-SAME_STEP_PARTIAL_HIT_READS = {
-    "0.29.0": [(2015, "q186", 80, 96, 5)],
-    "0.30.0": [(2048, "q186", 80, 96, 9)],
-    "0.31.0": [(2016, "q186", 80, 96, 8)],
-    "0.32.0": [(2027, "q186", 80, 96, 8)],
-    "0.33.0": [(2027, "q186", 80, 96, 8)],
-}
-
-
-def test_partial_hit_on_a_block_this_step_writes_waits_a_step(plugin, adapter, monkeypatch):
-    from hybrid_kv_plugin.patches import local_hit_admission
-    from hybrid_kv_plugin.registration import STATE
-
-    assert "local_hit_admission.admit" in {spec.name for spec in STATE.patch_set.specs}
-    if not adapter.divergence_checkpoint_supported:  # 0.26-0.28: the option (and the variant) is refused
-        assert "plugin-divergence-fa64" not in {v.name for v in variants(adapter)}
-        return
-    variant = _variant(adapter, "plugin-divergence-fa64")
-    counts, _, violations = soak(adapter, variant, SAME_STEP_PARTIAL_HIT_STEPS, seed=2)
-    assert violations == [] and counts.byte_violations == 0
-    assert counts.steps >= SAME_STEP_PARTIAL_HIT_STEPS
-    # Ablate the deferral (the plugin's rule, not vLLM code): the copy reads a zeroed block again.
-    monkeypatch.setattr(local_hit_admission, "unwritten_hit", lambda *args: False)
-    _, _, violations = soak(adapter, variant, SAME_STEP_PARTIAL_HIT_STEPS, seed=2)
-    assert violations == [_zeroed_read(*read) for read in SAME_STEP_PARTIAL_HIT_READS[adapter.version]]
-
-
 def test_store_check_accepts_keys_a_hit_adds_to_the_source_while_it_is_copied(plugin, adapter):
     """vLLM 0.30+ publishes a CPU copy under the keys its GPU source carries when the store completes.
     Seed 11 of ``plugin-divergence-fa64`` on 0.33.0: a full block is staged at step 5,777 under its
@@ -295,13 +262,14 @@ LANDING_SEEDS = {
     "0.26.0": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6752, 10003),
     "0.27.1": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6758, 10002),
     "0.28.0": (8, "['q61', 'q62', 'q63', 'q64', 'q65', 'q66', 'q67', 'q68']", 6757, 10001),
-    "0.29.0": (11, "['q230', 'q231']", 8554, 10002),
-    "0.30.0": (2, "['q473', 'q474', 'q475']", 10653, 10046),
-    "0.31.0": (3, "['q417', 'q418', 'q419', 'q420', 'q421', 'q422']", 10541, 10001),
-    # Fixed run 10,011 steps (10,013 before local_hit_admission: two requests there, q651 and q697,
-    # found a hit that made them too large for the empty pool and waited for a GPU-cache reset).
-    "0.32.0": (3, "['q805', 'q806', 'q807', 'q809', 'q810', 'q811', 'q813', 'q814', 'q815']", 14431, 10011),
-    "0.33.0": (25, "['q160', 'q162']", 7517, 10023),
+    "0.29.0": (11, "['q230', 'q231']", 8556, 10001),
+    "0.30.0": (2, "['q474', 'q475', 'q476']", 10712, 10035),
+    "0.31.0": (3, "['q805', 'q806', 'q807', 'q809', 'q810', 'q811', 'q813', 'q814', 'q815']", 14443, 10005),
+    # Fixed run 10,001 steps (10,011 before the divergence keys outlived a block filling; 10,013 before
+    # local_hit_admission: two requests there, q651 and q697, found a hit that made them too large for
+    # the empty pool and waited for a GPU-cache reset).
+    "0.32.0": (3, "['q805', 'q806', 'q807', 'q809', 'q810', 'q811', 'q813', 'q814', 'q815']", 14431, 10001),
+    "0.33.0": (3, "['q805', 'q806', 'q807', 'q809', 'q810', 'q811', 'q813', 'q814', 'q815']", 14431, 10001),
 }
 
 
@@ -318,10 +286,11 @@ def test_load_landing_inside_a_mamba_block_reserves_its_copy(plugin, adapter, mo
     assert violations == [] and counts.steps == fixed_steps
     if adapter.version == "0.33.0":
         # The async_load_liveness switch off turns this count off too (and the liveness fix): the
-        # wheel's own stall. With the count left on it stalls elsewhere (step 6,811, q75-q82).
+        # wheel's own stall, earlier in the same program. (Seed 25 until the divergence keys outlived
+        # a block filling: its program no longer reaches the stall.)
         counts, _, violations = soak(adapter, variant, 10_000, seed, plugin_options={"async_load_liveness": False})
-        assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps (['q138', 'q139', 'q141'] live)"] * 2
-        assert counts.steps == 7_386
+        assert [v.split(": ", 1)[1] for v in violations] == [f"not idle after {DRAIN_LIMIT} steps (['q106', 'q107'] live)"] * 2
+        assert counts.steps == 7_163
     # Ablate the plugin's count (not vLLM code): two block holders wait for each other again.
     monkeypatch.setattr(async_load_landing_reservation, "landing_copy_blocks", lambda manager, requests, status: 0)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
@@ -404,13 +373,14 @@ def test_async_dropped_hit_is_read_again_after_a_preemption(plugin, adapter, sch
 # The block a divergence state keeps, counted at admission (junction/manager.py, 0.29's backport):
 # 0.29's AsyncScheduler defers a preempted request's blocks a step, so two diverging requests
 # admitted into the last free blocks, each needing one more after its divergence chunk, preempted
-# each other and restarted for ever (seed 22: step 7,947, q435/q436; seeds 5 and 20 likewise).
+# each other and restarted for ever (seed 22: step 7,947, q435/q436, 7,939 since the divergence keys outlive a
+# block filling; seeds 5 and 20 likewise).
 # Since patch admission_reserves_running_prefills the second admission also waits for the first's
 # remaining blocks, which keeps this seed live on its own. Steps of the run on 0.29 with both rules,
 # with only the count, with only the reservation; 0.30+ keep the wheel's own count (no seed of 0-200
 # stalled there).
 DIVERGENCE_ADMISSION_SEED = 22
-DIVERGENCE_ADMISSION_STEPS = {"both": 10_011, "count only": 10_007, "reservation only": 10_016}
+DIVERGENCE_ADMISSION_STEPS = {"both": 10_055, "count only": 10_020, "reservation only": 10_006}
 
 
 @pytest.mark.parametrize("scheduling", ["async"], indirect=True)
@@ -444,7 +414,7 @@ def test_async_divergence_admission_counts_the_kept_state_block(plugin, adapter,
     monkeypatch.setattr(admission_reserves_running_prefills, "running_prefills_need", lambda scheduler, running: 0)
     counts, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [f"step {n}: not idle after {DRAIN_LIMIT} steps (['q435', 'q436', 'q438'] live)"
-                          for n in (7_947, 10_947)]
+                          for n in (7_939, 10_939)]
 
 
 # The stock connector's walk of a block another request took over (patches/stock_store_skips_handed_on_mamba.py,

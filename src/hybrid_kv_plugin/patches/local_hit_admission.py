@@ -11,7 +11,8 @@ worker runs the step's copies before its forward pass: the copy reads KV that is
 not there yet and the request attends to zeroed KV for the hit tokens. Found by the
 byte-moving simulator (soak variant ``plugin-divergence-fa64``, seed 2: on 0.29 and
 0.33 a request admitted in the step that computes tokens 64..112 of a shared
-prefix hit 80 tokens and read a zeroed block); stock vLLM has the same hole for its
+prefix hit 80 tokens and read a zeroed block; ``tests/test_same_step_partial_hit.py``
+builds the case); stock vLLM has the same hole for its
 own prompt-tail key (two requests with one prompt admitted in consecutive
 scheduling passes of one step). The Mamba manager already defers a hit on a state
 cached in the same step (``cached_blocks_this_step``); the attention managers do not.
