@@ -880,6 +880,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
+        "divergence-keys-lost-when-a-chunk-fills-their-block",
+        "divergence/attention.py",
+        "        for index in range(keyed // size, limit // size + 1):\n",
+        "        for index in range((keyed + unit) // size, limit // size + 1):\n",
+        # The block the last chunk ended in is not keyed again: a prefill stopped at 48 and the
+        # chunk that fills block 0 leave it no unit key (16, 32, 48 dropped by its promotion).
+        ("tests/test_divergence_checkpoint.py::test_unit_keys_outlive_the_chunk_that_fills_their_block",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
         "request-ends-partial-tail-ignores-eagle-drop",
         "offload/admission.py",
         "        resumes_at = boundary - self.unit if self.resume_drop else boundary\n",

@@ -268,6 +268,37 @@ def test_unit_keys_outlive_the_answer_that_fills_their_block(plugin, adapter):
     assert _after_an_answer(adapter, ON, 100) == ((0, 544, 800), 800)
 
 
+def _block_zero_unit_keys(adapter, config: dict) -> tuple[list[int], list[int]]:
+    """Attention block = Mamba block = 64. r0 (100 tokens) keys X[:16..96]; r1 (X[:50] and 150 of its
+    own) finds attention KV to 48 and no Mamba state below it. Returns r1's chunks and the unit
+    boundaries (16, 32, 48) its block 0 carries a key for once it finished."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    geometry = HybridGeometry(attention_block_size=64, mamba_block_size=64, hash_block_size=16)
+    engine = SimEngine(geometry, adapter=adapter, additional_config=config)
+    prefix = _random_tokens(100, seed=0)
+    engine.run([("r0", prefix)])
+    r1 = engine.add_request("r1", prefix[:50] + _random_tokens(150, seed=1))
+    chunks = [step.num_scheduled_tokens["r1"] for step in engine.run_until_idle() if "r1" in step.num_scheduled_tokens]
+    pool = engine.gpu_block_pool
+    block = pool.get_cached_block(r1.block_hashes[3], [0])[0]  # r1's block 0, under its full key
+    keyed = [
+        position for position in (16, 32, 48)
+        if pool.cached_block_hash_to_block.contain(make_block_hash_with_group_id(r1.block_hashes[position // 16 - 1], 0), block.block_id)
+    ]
+    return chunks, keyed
+
+
+def test_unit_keys_outlive_the_chunk_that_fills_their_block(plugin, adapter):
+    """r1's prefill stops at its divergence point (48, in block 0's last unit) and keeps the state;
+    the next chunk fills block 0, whose promotion to a full key drops the keys at 16, 32 and 48. The
+    option writes them again (before, the next call began at the block after 48: r1's block 0 kept none)."""
+    if _refused_here(adapter, lambda: _block_zero_unit_keys(adapter, ON)):
+        return
+    assert _block_zero_unit_keys(adapter, OFF) == ([192, 8], [])
+    assert _block_zero_unit_keys(adapter, ON) == ([48, 16, 128, 8], [16, 32, 48])
+
+
 # Request 2's whole-prompt Mamba count, as vLLM's admission check asks it (apply_admission_cap),
 # without the option and with it. Request 2 keeps a state at its divergence point, inside a Mamba
 # block; the next chunk copies it into a new block before the kept one is released, so at that

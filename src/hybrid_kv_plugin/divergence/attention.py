@@ -12,15 +12,20 @@ Attention KV is append-only, so a block holds a valid prefix at every position i
 has computed. The block pool keeps a block's partial keys only while none deeper
 comes: a key deeper than the block's primary one drops every key of the block, and
 so does the block's promotion to a full key when it fills. So the interior keys of
-a block are (re)written deepest first whenever a chunk reaches into it (a chunk that
-ends inside a block and the next one's deeper keys would otherwise leave only the
-last chunk's), and once more when the block holding the prompt's end fills (the
-answer's tokens fill it; the wheel re-keys its own prompt-tail key there the same
-way). The lookup probes the interior unit boundaries of the first block that is not
+a block are (re)written deepest first whenever a chunk reaches into it or fills it
+(a chunk that ends inside a block and the next one's deeper keys or its promotion
+would otherwise leave only the last chunk's, or none), and once more when the block
+holding the prompt's end fills with answer tokens and is hashed (the wheel re-keys
+its own prompt-tail key there the same way). The lookup probes the interior unit boundaries of the first block that is not
 a full hit, so each extra key costs a dictionary entry, nothing on the lookup path.
 
 Invariant: once a request's prompt is keyed, every unit boundary of its prompt that
 lies inside an attention block of it carries a partial key, until the block is evicted.
+Known limits: a request preempted after its whole prompt was keyed is not keyed again
+(one more read per step would be needed to notice), and the first call keys the blocks
+of a request's prefix hit too (vLLM sets ``num_computed_tokens`` after the allocation
+that calls this): no-op keys, and a request admitted in the same step whose hit ends
+inside one of those blocks waits a step (``patches/local_hit_admission.py``).
 """
 
 from __future__ import annotations
@@ -53,19 +58,19 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
     keyed = progress[0]
     limit = min(num_tokens, top)
     if limit > keyed:
-        # Every block holding a new boundary, from its first interior boundary: a deeper key
-        # (or the block's promotion to full) dropped what an earlier chunk keyed there.
-        for index in range((keyed + unit) // size, limit // size + 1):
+        # Every block holding a new boundary, and the block the last call ended in: a deeper
+        # key, or the block's promotion to full as this chunk filled it, dropped its keys.
+        for index in range(keyed // size, limit // size + 1):
             _key_block_interior(manager, request, index, min(limit, (index + 1) * size - unit))
         keyed = limit
-    elif keyed >= top and top % size and num_tokens >= (top // size + 1) * size:
-        # The block holding the prompt's end filled (answer tokens): its promotion to a full
-        # key dropped the interior keys.
+    elif keyed >= top and top % size and min(num_tokens, len(request.block_hashes) * unit) >= (top // size + 1) * size:
+        # The block holding the prompt's end filled (answer tokens) and, its tokens hashed, was
+        # promoted to a full key, which dropped the interior keys.
         _key_block_interior(manager, request, top // size, top)
         keyed = _NEVER
     setattr(request, PROGRESS_ATTR, (keyed, preemptions))
     if keyed < top:
-        next_at = keyed + unit
+        next_at = keyed // unit * unit + unit  # the next unit boundary
     elif keyed < _NEVER and top % size:
         next_at = (top // size + 1) * size
     else:
