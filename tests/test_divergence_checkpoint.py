@@ -282,11 +282,12 @@ def _block_zero_unit_keys(adapter, config: dict) -> tuple[list[int], list[int]]:
     chunks = [step.num_scheduled_tokens["r1"] for step in engine.run_until_idle() if "r1" in step.num_scheduled_tokens]
     pool = engine.gpu_block_pool
     block = pool.get_cached_block(r1.block_hashes[3], [0])[0]  # r1's block 0, under its full key
-    keyed = [
-        position for position in (16, 32, 48)
-        if pool.cached_block_hash_to_block.contain(make_block_hash_with_group_id(r1.block_hashes[position // 16 - 1], 0), block.block_id)
-    ]
-    return chunks, keyed
+
+    def keyed_at(position: int) -> bool:
+        key = make_block_hash_with_group_id(r1.block_hashes[position // 16 - 1], 0)
+        return pool.cached_block_hash_to_block.contain(key, block.block_id)
+
+    return chunks, [position for position in (16, 32, 48) if keyed_at(position)]
 
 
 def test_unit_keys_outlive_the_chunk_that_fills_their_block(plugin, adapter):

@@ -266,9 +266,8 @@ LANDING_SEEDS = {
     "0.30.0": (2, "['q471', 'q472', 'q473']", 10710, 10039),
     "0.31.0": (3, "['q804', 'q805', 'q806', 'q808', 'q809', 'q810', 'q812', 'q813', 'q814']", 14419, 10002),
     # 0.32's seed 3 stalled q805-q815 (fixed run 10,011 steps) before the divergence keys outlived their
-    # block filling, now q417-q422 (10,013 before
-    # local_hit_admission: two requests there, q651 and q697, found a hit that made them too large for
-    # the empty pool and waited for a GPU-cache reset).
+    # block filling, now q417-q422 (10,013 before local_hit_admission: two requests there, q651 and q697,
+    # found a hit that made them too large for the empty pool and waited for a GPU-cache reset).
     "0.32.0": (3, "['q417', 'q418', 'q419', 'q420', 'q421', 'q422']", 10561, 10006),
     "0.33.0": (3, "['q417', 'q418', 'q419', 'q420', 'q421', 'q422']", 10561, 10006),
 }

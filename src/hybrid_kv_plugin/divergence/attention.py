@@ -16,8 +16,9 @@ a block are (re)written deepest first whenever a chunk reaches into it or fills 
 (a chunk that ends inside a block and the next one's deeper keys or its promotion
 would otherwise leave only the last chunk's, or none), and once more when the block
 holding the prompt's end fills with answer tokens and is hashed (the wheel re-keys
-its own prompt-tail key there the same way). The lookup probes the interior unit boundaries of the first block that is not
-a full hit, so each extra key costs a dictionary entry, nothing on the lookup path.
+its own prompt-tail key there the same way). The lookup probes the interior unit
+boundaries of the first block that is not a full hit, so each extra key costs a
+dictionary entry, nothing on the lookup path.
 
 Invariant: once a request's prompt is keyed, every unit boundary of its prompt that
 lies inside an attention block of it carries a partial key, until the block is evicted.
@@ -48,7 +49,8 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
     if num_tokens < getattr(request, REQUEST_ATTR, 0):
         return  # every step of every running request passes here: one read, one comparison
     unit, size = manager.block_pool.hash_block_size, manager.block_size
-    top = min(request.num_prompt_tokens, len(request.block_hashes) * unit) // unit * unit
+    hashed = len(request.block_hashes) * unit  # the wheel keys and promotes blocks only up to here
+    top = min(request.num_prompt_tokens, hashed) // unit * unit
     progress = getattr(request, PROGRESS_ATTR, None)
     preemptions = getattr(request, "num_preemptions", 0)
     if progress is None or progress[1] != preemptions:
@@ -63,7 +65,7 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
         for index in range(keyed // size, limit // size + 1):
             _key_block_interior(manager, request, index, min(limit, (index + 1) * size - unit))
         keyed = limit
-    elif keyed >= top and top % size and min(num_tokens, len(request.block_hashes) * unit) >= (top // size + 1) * size:
+    elif keyed >= top and top % size and min(num_tokens, hashed) >= (top // size + 1) * size:
         # The block holding the prompt's end filled (answer tokens) and, its tokens hashed, was
         # promoted to a full key, which dropped the interior keys.
         _key_block_interior(manager, request, top // size, top)
