@@ -287,7 +287,7 @@ MUTANTS: tuple[Mutant, ...] = (
         # An evicted block re-keyed with an equal key passes: its queued store copies a block being rewritten.
         "    if block.block_hash != primary:\n",
         ("tests/test_reliability_regressions.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",),
-        ("0.33.0",),
+        ("0.31.0",),
     ),
     Mutant(
         "connector-path-hit-not-reconciled",
@@ -729,8 +729,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "request-ends-admission-stores-partial-tails",
         "offload/admission.py",
-        "if not self.takes_request_ends() and self._declines(request, self._tail_boundary(",
-        "if False and self._declines(request, self._tail_boundary(",
+        "        if self.takes_request_ends():\n            return tail\n        boundary",
+        "        if True:\n            return tail\n        boundary",
         # The attention partial tails of request ends still fill the CPU tier.
         ("tests/test_cpu_tier_request_ends.py::test_request_ends_push_out_a_shared_prefix",),
         ("0.29.0", "0.33.0"),
@@ -752,6 +752,15 @@ MUTANTS: tuple[Mutant, ...] = (
         # ``auto`` behaves as store once the tier is full: request ends push out the shared prefix.
         ("tests/test_cpu_tier_request_ends.py::test_request_ends_push_out_a_shared_prefix",),
         ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
+        "request-ends-partial-tail-declined-under-its-stored-state",
+        "offload/admission.py",
+        "if self._declines(request, resumes_at) and not self._state_kept(request, resumes_at):",
+        "if self._declines(request, resumes_at):",
+        # ``auto``: an end state stored just before the tier filled loses the attention that reaches it.
+        ("tests/test_cpu_tier_request_ends.py::test_a_stored_end_state_keeps_its_partial_tail",),
+        ("0.26.0", "0.29.0", "0.33.0"),
     ),
     Mutant(
         "replay-declined-request-ends-count-as-kept",

@@ -94,6 +94,41 @@ def test_request_ends_push_out_a_shared_prefix(plugin, adapter):
     assert _shared_prefix_after(adapter, "auto", 40) == (320, 79, (7, 7))
 
 
+# Filler prompt lengths, tried in order: the first that leaves 12 never-used blocks on the tier is the
+# case (each wheel's store accounting differs by a block or two for the same filler).
+FILLERS = range(2084, 2124, 2)
+
+
+def _end_state_stored_as_the_tier_fills(adapter) -> tuple[int, tuple[int, int] | None, int]:
+    """``auto``: a filler leaves 12 never-used blocks, then A (344 tokens): its last prefill step
+    takes A's end state (a never-used block is next) and that step's stores evict for the first
+    time, so A finishes on a full tier. (the filler used, what A's request declined, A's next
+    turn's hit from the CPU tier)."""
+    for filler in FILLERS:
+        tier = Tier(adapter, "auto")
+        tier.request(tokens(filler, seed=50))
+        if tier.held() == 79 - 12:
+            break
+    else:
+        raise AssertionError(f"no filler in {FILLERS} leaves 12 never-used blocks")
+    a = tokens(344, seed=0)
+    tier.request(a)
+    declined = tier.declined()
+    tier.reset_gpu()
+    return filler, declined, tier.request([*a, *CONTINUATION])
+
+
+@pytest.mark.both_schedulers
+def test_a_stored_end_state_keeps_its_partial_tail(plugin, adapter):
+    """A's end state (336) was stored while the tier had room; A finishes after the tier filled,
+    when ``auto`` declines request ends. Its attention partial tail (the block keyed at 336) is
+    still stored, since the tier holds the state it leads to: nothing declined, and A's next turn
+    resumes at 336 from the CPU tier. Declining it (the rule before) left the state on the tier
+    with no attention reaching it: declined (0 states, 1 partial tail), the next turn at 320."""
+    filler, declined, hit = _end_state_stored_as_the_tier_fills(adapter)
+    assert (declined, hit) == ((0, 0), 336), filler
+
+
 DIVERGENCE = {"hybrid_kv": {"mamba_divergence_checkpoint": True}}
 
 

@@ -30,8 +30,11 @@ Invariants:
   point (``shared_prefix_boundary``, which other requests share by construction);
 - the attention partial tail is declined iff the position a hit through it resumes at (its
   boundary; one unit lower where the CPU tier's own lookup drops the drafter's unit,
-  ``resume_drop``: 0.27+ under EAGLE) is off the Mamba grid and not the divergence point
-  (a partial tail whose Mamba state the tier keeps is still stored);
+  ``resume_drop``: 0.27+ under EAGLE) is off the Mamba grid, not the divergence point, and
+  the tier neither holds nor is storing the Mamba state there: a partial tail whose state the
+  tier keeps is always stored, so a state is never left on the tier without the attention that
+  reaches it (``auto``: a request whose end state was stored before the tier first filled and
+  that finishes after);
 - with ``auto`` nothing is declined while the block at the head of the CPU pool's free queue (the
   next one a store takes) has never held a copy: a store then evicts nothing;
 - states on the Mamba grid, chunk ends inside the prompt and divergence states are
@@ -79,12 +82,12 @@ def prompt_tail_start(num_prompt_tokens: int, unit: int, tail_drop: bool) -> int
     return (num_prompt_tokens - 1) // unit * unit - (unit if tail_drop else 0)
 
 
-def mamba_block_sizes(kv_cache_config: Any) -> frozenset[int]:
-    """The block sizes of the Mamba groups (empty for a model without one)."""
+def mamba_groups(kv_cache_config: Any) -> dict[int, int]:
+    """{group index: block size} of the Mamba groups (empty for a model without one)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    return frozenset(g.kv_cache_spec.block_size for g in groups if isinstance(g.kv_cache_spec, MambaSpec))
+    return {i: g.kv_cache_spec.block_size for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)}
 
 
 def attach_request_end_admission(
@@ -104,8 +107,8 @@ def attach_request_end_admission(
     if ends == STORE or connector.offload_mode is OffloadMode.STOCK:
         return None
     manager = getattr(connector, "scheduler_manager", None)
-    grid = mamba_block_sizes(kv_cache_config)
-    if manager is None or not grid:
+    groups = mamba_groups(kv_cache_config)
+    if manager is None or not groups:
         return None
 
     adapter = connector.hybrid_kv_adapter
@@ -123,7 +126,8 @@ def attach_request_end_admission(
     record = manager._record_outcomes if connector.offload_mode is OffloadMode.BACKPORT else None
     next_free_block = adapter.next_free_block if ends == AUTO else None
     return RequestEndAdmission(
-        manager, adapter.simplecpu_partial_tail_finder, grid, tail_boundary, record, next_free_block, tail_drop, resume_drop
+        manager, adapter.simplecpu_partial_tail_finder, groups, tail_boundary, record, next_free_block, tail_drop,
+        resume_drop,
     )
 
 
@@ -134,7 +138,7 @@ class RequestEndAdmission:
         self,
         manager: Any,
         partial_tail_finder: str,
-        grid: frozenset[int],
+        mamba_groups: dict[int, int],
         tail_boundary: Callable[[Any, int], int],
         record: Callable[[dict[str, int]], None] | None = None,
         next_free_block: Callable[[Any], Any] | None = None,
@@ -151,7 +155,8 @@ class RequestEndAdmission:
         self.unit = manager.hash_block_size
         self.tail_drop = tail_drop
         self.resume_drop = resume_drop
-        self.grid = grid
+        self.grid = frozenset(mamba_groups.values())
+        self._mamba_group_ids = tuple(mamba_groups)
         self.declined_states = 0
         self.declined_partial_tails = 0
         # Declined states counted since the scheduler side's counters last started over (a CPU cache
@@ -176,7 +181,12 @@ class RequestEndAdmission:
 
     def _filter_partial_tail(self, request: Any, tail: Any) -> Any:
         """``tail`` unless the admission declines the partial tail of ``request`` (then None)."""
-        if not self.takes_request_ends() and self._declines(request, self._tail_boundary(request, self.unit)):
+        if self.takes_request_ends():
+            return tail
+        boundary = self._tail_boundary(request, self.unit)
+        # Where a hit through the tail resumes: one unit lower where the CPU tier's lookup drops it.
+        resumes_at = boundary - self.unit if self.resume_drop else boundary
+        if self._declines(request, resumes_at) and not self._state_kept(request, resumes_at):
             self.declined_partial_tails += 1
             return None
         return tail
@@ -191,13 +201,34 @@ class RequestEndAdmission:
         head = self._next_free_block(self.manager.cpu_block_pool)
         return head is not None and head.block_hash is None
 
-    def _declines(self, request: Any, boundary: int) -> bool:
-        """Whether the attention partial tail keyed at ``boundary`` stays off the tier: unless the Mamba
-        state a hit through it resumes at is one the tier keeps (one unit below where the lookup drops it)."""
-        resumes_at = boundary - self.unit if self.resume_drop else boundary
+    def _declines(self, request: Any, resumes_at: int) -> bool:
+        """Whether a partial tail whose hit resumes at ``resumes_at`` is a request end: off the Mamba
+        grid, and not the request's divergence point (other requests share that by construction)."""
         if resumes_at == getattr(request, "shared_prefix_boundary", 0):
             return False
         return any(resumes_at % size for size in self.grid)
+
+    def _state_kept(self, request: Any, resumes_at: int) -> bool:
+        """Whether the CPU tier holds, or is storing, every Mamba group's state at ``resumes_at``
+        (``auto``: a request end stored before the tier first filled)."""
+        if resumes_at <= 0 or resumes_at > len(request.block_hashes) * self.unit:
+            return False
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        manager = self.manager
+        gpu_cached = manager._gpu_block_pool.cached_block_hash_to_block
+        cpu_cached = manager.cpu_block_pool.cached_block_hash_to_block
+        in_flight = manager._in_flight_store_gpu_blocks
+        block_hash = request.block_hashes[resumes_at // self.unit - 1]
+        for group in self._mamba_group_ids:
+            key = make_block_hash_with_group_id(block_hash, group)
+            if cpu_cached.get_one_block(key) is not None:
+                continue
+            # A copy in flight: its GPU source, still cached under the key, is being stored.
+            source = gpu_cached.get_one_block(key)
+            if source is None or source.block_id not in in_flight:
+                return False
+        return True
 
     def declined_since_reset(self) -> int:
         """Hand-offs declined since the scheduler side's counters last started over."""
