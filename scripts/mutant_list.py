@@ -582,6 +582,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.29.0", "0.33.0"),
     ),
     Mutant(
+        "divergence-keys-lost-on-preemption",
+        "patches/divergence_keys_after_preemption.py",
+        "        forget_keying_progress(request)\n",
+        "        pass\n",
+        # A request preempted after its keying finished recomputes into blocks keyed at block ends only.
+        ("tests/test_divergence_checkpoint.py::test_unit_keys_reach_the_blocks_a_preempted_request_recomputes",),
+        ("0.29.0", "0.33.0"),
+    ),
+    Mutant(
         "divergence-native-mamba-manager-keeps-no-state",
         "divergence/native.py",
         "            setattr(single, adapter.native_junction_manager_attr, True)\n",

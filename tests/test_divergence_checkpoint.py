@@ -268,6 +268,42 @@ def test_unit_keys_outlive_the_answer_that_fills_their_block(plugin, adapter):
     assert _after_an_answer(adapter, ON, 100) == ((0, 544, 800), 800)
 
 
+def _after_a_preemption(adapter, config: dict, preempted_at: int) -> tuple[int, tuple[int, int], int]:
+    """Qwen3-Next geometry, no connector. r0 (a 1,000-token prompt, 200 answer tokens) is preempted
+    once it has computed ``preempted_at`` tokens, with the GPU prefix cache dropped
+    (``reset_prefix_cache(reset_running_requests=True)``, as an RL weight update does), and recomputes
+    into new blocks; then r1 and r2 share its first 800 tokens. Returns r0's first chunk after the
+    preemption, the hits of r1 and r2, and r1's divergence point."""
+    engine = SimEngine(QWEN3_NEXT, adapter=adapter, additional_config=config)
+    prefix = _random_tokens(1000, seed=0)
+    r0 = engine.add_request("r0", prefix, max_tokens=200)
+    while r0.num_computed_tokens < preempted_at:
+        engine.step()
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    chunks = [step.num_scheduled_tokens["r0"] for step in engine.run_until_idle() if "r0" in step.num_scheduled_tokens]
+    assert r0.num_preemptions == 1
+    r1 = engine.add_request("r1", prefix[:800] + _random_tokens(100, seed=1), max_tokens=2)
+    engine.run_until_idle()
+    engine.add_request("r2", prefix[:800] + _random_tokens(100, seed=2), max_tokens=2)
+    engine.run_until_idle()
+    return chunks[0], (engine.outcomes["r1"].hit_tokens, engine.outcomes["r2"].hit_tokens), r1.shared_prefix_boundary
+
+
+@pytest.mark.both_schedulers
+def test_unit_keys_reach_the_blocks_a_preempted_request_recomputes(plugin, adapter):
+    """r0 is preempted after its answer filled the block holding its prompt's end (1,090 computed: its
+    keying was done) and recomputes 1,088 tokens in one chunk into new blocks. They are keyed at every
+    unit again, so r1 (whose lookup finds no Mamba state at or below 800: r0's recompute kept the one
+    at 1,088) sees the divergence at 800 and keeps the state there, and r2 resumes at 800. Before, the
+    recomputed blocks carried block-end keys only: r1's junction was 544, r2 resumed at 544. Preempted
+    earlier (1,050: its keying waited for the block to fill), the recompute was keyed already."""
+    if _refused_here(adapter, lambda: _after_a_preemption(adapter, ON, 1090)):
+        return
+    assert _after_a_preemption(adapter, OFF, 1090) == (1088, (0, 544), 544)
+    assert _after_a_preemption(adapter, ON, 1090) == (1088, (0, 800), 800)
+    assert _after_a_preemption(adapter, ON, 1050) == (544, (544, 800), 800)
+
+
 def _block_zero_unit_keys(adapter, config: dict) -> tuple[list[int], list[int]]:
     """Attention block = Mamba block = 64. r0 (100 tokens) keys X[:16..96]; r1 (X[:50] and 150 of its
     own) finds attention KV to 48 and no Mamba state below it. Returns r1's chunks and the unit
@@ -347,7 +383,7 @@ def test_option_selects_backport_or_native_gate(plugin, make_engine, adapter):
     assert not off.vllm_config.speculative_config and not on.scheduler.kv_cache_manager.coordinator.eagle_group_ids
     assert (junction_active(adapter, off.scheduler), junction_active(adapter, on.scheduler)) == (False, True)
     installed = sorted(spec.name for spec in plugin.patch_set.specs if spec.name.startswith("divergence_"))
-    assert installed == ["divergence_attention_keys", "divergence_bind"]
+    assert installed == ["divergence_attention_keys", "divergence_bind", "divergence_keys_after_preemption"]
     managers = on.scheduler.kv_cache_manager.coordinator.single_type_managers
     # The attention manager is keyed at every unit; only where the option is on.
     assert [getattr(m, MANAGER_ATTR, False) for m in managers] == [True, False]

@@ -36,6 +36,7 @@ REMOVAL_NOTES = {
     "output_checkpoint_bind": "not yet (present up to 0.33.0)",
     "divergence_bind": "not yet (present up to 0.33.0)",
     "divergence_attention_keys": "not yet (present up to 0.33.0)",
+    "divergence_keys_after_preemption": "not yet (present up to 0.33.0)",
     "output_checkpoint_manager": "not yet (present up to 0.33.0)",
     "output_checkpoint_offload": "not yet (present up to 0.33.0)",
     "finish_store_pinning": "not yet (present up to 0.33.0)",
@@ -111,26 +112,26 @@ PLANNED_BY_WHEEL = {
     "0.29.0": [
         "scheduler_plugin_config", "junction_coordinator", "junction_split", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split",
         "prompt_tail_manager", "prompt_tail_attention", "divergence_attention_keys", "output_checkpoint_bind",
-        "divergence_bind", "output_checkpoint_manager", "stock_store_skips_handed_on_mamba", "async_load_liveness", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
+        "divergence_bind", "divergence_keys_after_preemption", "output_checkpoint_manager", "stock_store_skips_handed_on_mamba", "async_load_liveness", "async_load_landing_reservation", "junction_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.30.0": [
         "scheduler_plugin_config", "mamba_chunk_count_capped", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind", "divergence_keys_after_preemption",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.31.0": [
         "scheduler_plugin_config", "prompt_tail_keyed_once", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind", "divergence_keys_after_preemption",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.32.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind", "divergence_keys_after_preemption",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
     "0.33.0": [
         "scheduler_plugin_config", "prompt_tail_split", "prompt_tail_manager", "prompt_tail_retention", "prompt_tail_attention",
-        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind",
+        "divergence_attention_keys", "output_checkpoint_bind", "divergence_bind", "divergence_keys_after_preemption",
         "output_checkpoint_manager", "output_checkpoint_offload", "finish_store_pinning", "offload_has_connector", "async_load_liveness", "async_load_landing_reservation", "same_step_copy_chains", "local_hit_admission", "admission_reserves_running_prefills", "remaining_blocks_once_per_step",
     ],
 }

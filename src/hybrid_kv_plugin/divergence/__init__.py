@@ -30,7 +30,8 @@ Either way the gate is :func:`hybrid_kv_plugin.junction.junction_plan` (partial 
 hits, no multi-module MTP re-prefill tail), read by the split and the manager alike,
 and bound once per scheduler (:mod:`.binding`, patch ``divergence_bind``). So that a
 lookup sees a divergence inside an attention block at all, the full-attention blocks
-are keyed at every unit boundary (:mod:`.attention`, patch ``divergence_attention_keys``).
+are keyed at every unit boundary (:mod:`.attention`, patch ``divergence_attention_keys``),
+and again where a preempted request recomputes (patch ``divergence_keys_after_preemption``).
 Wheels without the option (0.26-0.28) refuse it at start-up (``scheduler_plugin_config``).
 """
 

@@ -22,8 +22,8 @@ dictionary entry, nothing on the lookup path.
 
 Invariant: once a request's prompt is keyed, every unit boundary of its prompt that
 lies inside an attention block of it carries a partial key, until the block is evicted.
-Known limits: a request preempted after its whole prompt was keyed is not keyed again
-(one more read per step would be needed to notice), and the first call keys the blocks
+A preempted request forgets where keying stopped (``divergence_keys_after_preemption``),
+so its recomputed blocks are keyed again. Known limit: the first call keys the blocks
 of a request's prefix hit too (vLLM sets ``num_computed_tokens`` after the allocation
 that calls this): no-op keys, and a request admitted in the same step whose hit ends
 inside one of those blocks waits a step (``patches/local_hit_admission.py``).
@@ -78,6 +78,12 @@ def key_unit_boundaries(manager: Any, request: Any, num_tokens: int) -> None:
     else:
         next_at = _NEVER
     setattr(request, REQUEST_ATTR, next_at)
+
+
+def forget_keying_progress(request: Any) -> None:
+    """After a preemption: the next call re-reads the request's progress (it recomputes into new blocks)."""
+    if getattr(request, REQUEST_ATTR, 0):
+        setattr(request, REQUEST_ATTR, 0)
 
 
 def _key_block_interior(manager: Any, request: Any, index: int, deepest: int) -> None:
