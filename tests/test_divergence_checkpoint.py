@@ -240,13 +240,20 @@ def _after_an_answer(adapter, config: dict, answer_tokens: int) -> tuple[tuple[i
     engine = SimEngine(QWEN3_NEXT, adapter=adapter, kv_connector=CONNECTOR_NAME,
                        kv_connector_extra_config={"cpu_bytes_to_use": CPU_BYTES}, additional_config=config)  # fmt: skip
     prefix = _random_tokens(1000, seed=0)
-    prompts = [(prefix, answer_tokens)]
-    prompts += [(prefix[:800] + _random_tokens(100, seed=k), 2) for k in (1, 2)]
+    engine.add_request("r0", prefix, max_tokens=answer_tokens)
+    engine.run_until_idle()
+    (r1_hit, r2_hit), junction = _siblings_sharing_800(engine, prefix)
+    return (engine.outcomes["r0"].hit_tokens, r1_hit, r2_hit), junction
+
+
+def _siblings_sharing_800(engine, prefix: list[int]) -> tuple[tuple[int, int], int]:
+    """r1, then r2: ``prefix``'s first 800 tokens and 100 of their own, each run to the end. Returns
+    their hits and r1's divergence point."""
     requests = []
-    for k, (prompt, max_tokens) in enumerate(prompts):
-        requests.append(engine.add_request(f"r{k}", prompt, max_tokens=max_tokens))
+    for k in (1, 2):
+        requests.append(engine.add_request(f"r{k}", prefix[:800] + _random_tokens(100, seed=k), max_tokens=2))
         engine.run_until_idle()
-    return tuple(engine.outcomes[f"r{k}"].hit_tokens for k in range(3)), requests[1].shared_prefix_boundary
+    return (engine.outcomes["r1"].hit_tokens, engine.outcomes["r2"].hit_tokens), requests[0].shared_prefix_boundary
 
 
 def _random_tokens(n: int, seed: int) -> list[int]:
@@ -282,11 +289,8 @@ def _after_a_preemption(adapter, config: dict, preempted_at: int) -> tuple[int, 
     assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
     chunks = [step.num_scheduled_tokens["r0"] for step in engine.run_until_idle() if "r0" in step.num_scheduled_tokens]
     assert r0.num_preemptions == 1
-    r1 = engine.add_request("r1", prefix[:800] + _random_tokens(100, seed=1), max_tokens=2)
-    engine.run_until_idle()
-    engine.add_request("r2", prefix[:800] + _random_tokens(100, seed=2), max_tokens=2)
-    engine.run_until_idle()
-    return chunks[0], (engine.outcomes["r1"].hit_tokens, engine.outcomes["r2"].hit_tokens), r1.shared_prefix_boundary
+    hits, junction = _siblings_sharing_800(engine, prefix)
+    return chunks[0], hits, junction
 
 
 @pytest.mark.both_schedulers
