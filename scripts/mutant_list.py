@@ -286,8 +286,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if block.block_hash is not primary:\n",
         # An evicted block re-keyed with an equal key passes: its queued store copies a block being rewritten.
         "    if block.block_hash != primary:\n",
-        ("tests/test_reliability_regressions.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",),
-        ("0.31.0",),
+        (
+            "tests/test_finish_store_handed_on.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",
+            "tests/test_reliability_regressions.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",
+        ),
+        ("0.31.0", "0.33.0"),
+    ),
+    Mutant(
+        "finish-store-backport-keys-compared-by-value",
+        FINE,
+        "            if not self._carries(gpu_blocks[record.gpu_block_id], record.keys):\n",
+        # The backport's check before sending compares values: a block handed on and keyed again passes.
+        "            if self._keys_of(gpu_blocks[record.gpu_block_id]) != record.keys:\n",
+        ("tests/test_finish_store_handed_on.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",),
+        ("0.26.0", "0.29.0"),
     ),
     Mutant(
         "connector-path-hit-not-reconciled",

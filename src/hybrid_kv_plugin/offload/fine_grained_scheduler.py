@@ -21,7 +21,9 @@ reconciles most CPU hits to zero.
   from the boundary hand-offs, each with an admission decision and a counter;
   attention groups are scanned up to the last hash boundary that a lookup can
   land on; the full-attention partial tail is stored once when the request
-  finishes, together with the confirmed blocks it had left;
+  finishes, together with the confirmed blocks it had left (pinned when the next
+  step sends them, and only if each block still carries the very key objects it
+  was queued under);
 * completion: the CPU copy becomes findable under the keys its GPU source carried
   when the store was *staged* (registered only now, never stamped beforehand:
   ``BlockPool._insert_block_hash`` silently skips a block that already carries the
@@ -606,12 +608,27 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         gpu_blocks = self._gpu_block_pool.blocks
         kept = StoreBatch()
         for record in batch.blocks:
-            if self._keys_of(gpu_blocks[record.gpu_block_id]) != record.keys:
+            if not self._carries(gpu_blocks[record.gpu_block_id], record.keys):
                 self._in_flight_store_gpu_blocks.discard(record.gpu_block_id)
                 continue
             kept.blocks.append(record)
             kept.gpu_block_ids.append(record.gpu_block_id)
         return kept
+
+    def _carries(self, block: KVCacheBlock, keys: tuple[CacheKey, ...]) -> bool:
+        """Whether ``block`` still answers to the very key objects staged in ``keys`` (``_keys_of``).
+
+        Compared by identity: a block evicted and handed to a request with the same prefix is
+        keyed again with equal keys (new objects) when that request is scheduled, before it
+        writes the block, so equal keys alone would copy a block being rewritten. The staged
+        record holds the key objects, so no new key can take their ids.
+        """
+        now = self._keys_of(block)
+        (primary, num_tokens), (staged_primary, staged_num_tokens) = now[0], keys[0]
+        if len(now) != len(keys) or primary is not staged_primary or num_tokens != staged_num_tokens:
+            return False
+        staged = {id(key) for key, _ in keys[1:]}
+        return all(id(key) in staged for key, _ in now[1:])
 
     def _clipped(self, batch: StoreBatch) -> StoreBatch:
         """``batch`` cut to the CPU blocks free now (its room was counted at finish, before other allocations)."""
