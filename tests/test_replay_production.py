@@ -166,6 +166,11 @@ def test_bad_input_is_one_line_and_exit_2_without_vllm(tmp_path, argv, message):
         (["--", QWEN3_NEXT, "--prefix-match-unit", "7"], "hybrid-kv: invalid vllm serve line: vLLM refuses this geometry: Invalid prefix_match_unit=7"),
         (["--model", QWEN3_NEXT, "--attention-block-size", "32"],
          "hybrid-kv: --attention-block-size conflict(s) with the model's resolved geometry"),
+        # Equal to the replay's default (16) and still refused: the model's unit (544) would replace it unseen.
+        (["--model", QWEN3_NEXT, "--prefix-match-unit", "16"],
+         "hybrid-kv: --prefix-match-unit conflict(s) with the model's resolved geometry"),
+        (["--model", QWEN3_NEXT, "--cpu-blocks", "8192", "--gpu-blocks", "1024"],
+         "hybrid-kv: --gpu-blocks, --cpu-blocks conflict(s) with the model's resolved geometry"),
     ],
 )
 def test_bad_model_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):

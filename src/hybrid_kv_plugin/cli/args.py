@@ -41,31 +41,56 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------- geometry and pools
+# On the parsed namespace: the geometry settings whose flag was given (a value equal to the default included).
+GIVEN_ATTR = "geometry_flags_given"
+
+
+class _StoreGiven(argparse.Action):
+    """Store the value and note the flag as given: ``--prefix-match-unit 16`` next to ``--model``
+    must be refused even though 16 is the default, not silently replaced by the model's unit."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN_ATTR, {*getattr(namespace, GIVEN_ATTR, ()), self.dest})
+
+
+def given_geometry(args: argparse.Namespace) -> set[str]:
+    """The ``ReplaySettings`` fields whose flag the command line gave."""
+    return set(getattr(args, GIVEN_ATTR, ()))
+
+
 def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     from hybrid_kv_plugin.sim.replay import ReplaySettings as default
 
     g = parser.add_argument_group("geometry and pools")
     g.add_argument(
-        "--attention-block-size", type=int, default=default.attention_block_size, metavar="N",
+        "--attention-block-size", action=_StoreGiven, type=int, default=default.attention_block_size, metavar="N",
         help="full-attention block (tokens)",
     )
     g.add_argument(
-        "--mamba-block-size", type=int, default=default.mamba_block_size, metavar="N", help="Mamba block (tokens)"
+        "--mamba-block-size", action=_StoreGiven, type=int, default=default.mamba_block_size, metavar="N",
+        help="Mamba block (tokens)",
     )
     g.add_argument(
-        "--prefix-match-unit", dest="hash_block_size", type=int, default=default.hash_block_size, metavar="N",
-        help="hash unit of prefix matching",
+        "--prefix-match-unit", dest="hash_block_size", action=_StoreGiven, type=int,
+        default=default.hash_block_size, metavar="N", help="hash unit of prefix matching",
     )
-    g.add_argument("--gpu-blocks", type=int, default=default.gpu_blocks, metavar="N", help="GPU KV-cache blocks")
     g.add_argument(
-        "--cpu-blocks", type=int, default=default.cpu_blocks, metavar="N", help="CPU-tier blocks (SimpleCPU pool)"
+        "--gpu-blocks", action=_StoreGiven, type=int, default=default.gpu_blocks, metavar="N",
+        help="GPU KV-cache blocks",
+    )
+    g.add_argument(
+        "--cpu-blocks", action=_StoreGiven, type=int, default=default.cpu_blocks, metavar="N",
+        help="CPU-tier blocks (SimpleCPU pool)",
     )
     eagle = g.add_mutually_exclusive_group()
     eagle.add_argument("--eagle", dest="eagle", action="store_true", default=None, help="EAGLE on in every segment")
     eagle.add_argument("--no-eagle", dest="eagle", action="store_false", help="EAGLE off in every segment")
-    g.add_argument("--num-speculative-tokens", type=int, default=default.num_speculative_tokens, metavar="N")
     g.add_argument(
-        "--transfer-delay-steps", type=int, default=default.transfer_delay_steps, metavar="N",
+        "--num-speculative-tokens", action=_StoreGiven, type=int, default=default.num_speculative_tokens, metavar="N"
+    )
+    g.add_argument(
+        "--transfer-delay-steps", action=_StoreGiven, type=int, default=default.transfer_delay_steps, metavar="N",
         help="steps the simulated worker takes to finish a CPU transfer (in-flight stores hold CPU blocks)",
     )
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from hybrid_kv_plugin.cli.args import SETTINGS_FLAGS
+from hybrid_kv_plugin.cli.args import SETTINGS_FLAGS, given_geometry
 from hybrid_kv_plugin.cli.errors import fail
 from hybrid_kv_plugin.models.geometry import DEFAULT_CPU_GIB, DEFAULT_GPU_KV_GIB, GIB
 
@@ -361,9 +361,8 @@ def settings_for_model(settings: Any, model: Any, args: argparse.Namespace) -> A
     """
     from dataclasses import replace
 
-    from hybrid_kv_plugin.sim.replay import ReplaySettings
-
-    given = [SETTINGS_FLAGS[n] for n in MODEL_GEOMETRY_FIELDS if getattr(args, n) != getattr(ReplaySettings, n)]
+    flags = given_geometry(args)
+    given = [SETTINGS_FLAGS[n] for n in MODEL_GEOMETRY_FIELDS if n in flags]
     if given:
         fail(f"{', '.join(given)} conflict(s) with the model's resolved geometry; put cache flags in the serve line after --")
     return replace(
