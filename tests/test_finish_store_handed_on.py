@@ -28,7 +28,7 @@ from hybrid_kv_plugin.sim import HybridGeometry
 from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 
 from helpers import tokens
-from scenarios.output_checkpoint import turn_engine
+from scenarios.output_checkpoint import queued_finish_store_blocks, turn_engine
 
 GEOMETRY = HybridGeometry(attention_block_size=32, mamba_block_size=32)
 # (a's prompt, its answer tokens, b's tokens shared with a) per request end
@@ -37,14 +37,6 @@ OWN = list(range(600, 610))
 # The step whose connector metadata sends a's queued store: a's last step + 1 (0.32+ end a
 # prompt's prefill one unit below its end, one more step before the answer).
 SENT_AT = {"prompt": {}, "answer": {"0.32.0": 32, "0.33.0": 32}}
-
-
-def _queued_at_finish(manager) -> list[int]:
-    """GPU block ids of the stores queued at finish and not sent yet (the backport's queue, or the wheel's)."""
-    queued = getattr(manager, "_finish_batches", None)
-    if queued is None:
-        queued = manager._pending_finished_stores
-    return [block_id for store in queued for block_id in store.gpu_block_ids]
 
 
 def _hand_on(adapter, end: str) -> tuple[int, int, list[int], list[str]]:
@@ -58,7 +50,7 @@ def _hand_on(adapter, end: str) -> tuple[int, int, list[int], list[str]]:
     engine.add_request("w", [t + 7 for t in prompt], max_tokens=answer)
     while engine.scheduler.has_unfinished_requests():
         engine.step()
-    queued = _queued_at_finish(engine.offload_manager)
+    queued = queued_finish_store_blocks(engine.offload_manager)
     assert len(queued) == 2  # a's block keyed at 464, and w's
     free = pool.free_block_queue.get_all_free_blocks()
     at = [block.block_id for block in free].index(queued[0])

@@ -21,7 +21,7 @@ from hybrid_kv_plugin.sim.wheel import eagle_block_drop_options
 from hybrid_kv_plugin.sim.workload import default_workload, load_trace
 
 from helpers import tokens
-from scenarios.output_checkpoint import TurnMeasurement, turn_engine, two_turns
+from scenarios.output_checkpoint import TurnMeasurement, queued_finish_store_blocks, turn_engine, two_turns
 
 PROMPT, OUTPUT = 320, 40
 NEW_WHEELS = ("0.32.0", "0.33.0")
@@ -208,14 +208,6 @@ def test_idle_engine_holds_no_block_after_the_answer(plugin, adapter):
     run.invariants.check()
 
 
-def _queued_finish_store_blocks(manager) -> list[int]:
-    """GPU block ids of the stores queued at finish, not sent yet (the 0.29 backport's queue or the wheel's)."""
-    queued = getattr(manager, "_finish_batches", None)
-    if queued is None:
-        queued = manager._pending_finished_stores
-    return [block_id for store in queued for block_id in store.gpu_block_ids]
-
-
 def _answer_then_idle(adapter):
     run = turn_engine(adapter, True, ENGINE)
     engine = run.engine
@@ -223,7 +215,7 @@ def _answer_then_idle(adapter):
     while engine.scheduler.has_unfinished_requests():
         engine.step()
     manager = engine.offload_manager
-    return run, engine, manager, _queued_finish_store_blocks(manager)
+    return run, engine, manager, queued_finish_store_blocks(manager)
 
 
 @pytest.mark.parametrize("evicted", [False, True], ids=["sent", "evicted-before-sent"])

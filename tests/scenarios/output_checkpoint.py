@@ -53,6 +53,14 @@ def turn_engine(adapter: Any, enabled: bool | None, geometry: HybridGeometry | N
     return OffloadRun(engine, OffloadInvariants(engine) if connector else None, itertools.count())
 
 
+def queued_finish_store_blocks(manager: Any) -> list[int]:
+    """GPU block ids of the stores queued at finish, not sent yet (the 0.26-0.29 backport's queue or the wheel's)."""
+    queued = getattr(manager, "_finish_batches", None)
+    if queued is None:
+        queued = manager._pending_finished_stores
+    return [block_id for store in queued for block_id in store.gpu_block_ids]
+
+
 def answer_states(engine: SimEngine, prompt_tokens: int) -> int:
     """Mamba blocks whose prefix-cache key ends inside an answer, between Mamba block ends."""
     from vllm.v1.core.kv_cache_utils import get_group_id
