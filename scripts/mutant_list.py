@@ -282,7 +282,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "finish-store-keys-compared-by-value",
-        "patches/finish_store_pinning.py",
+        "attention_partial_block.py",
         "    if block.block_hash is not primary:\n",
         # An evicted block re-keyed with an equal key passes: its queued store copies a block being rewritten.
         "    if block.block_hash != primary:\n",
@@ -290,7 +290,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_finish_store_handed_on.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",
             "tests/test_reliability_regressions.py::test_queued_finish_store_of_a_block_handed_on_is_dropped",
         ),
-        ("0.31.0", "0.33.0"),
+        ("0.29.0", "0.31.0", "0.33.0"),
     ),
     Mutant(
         "finish-store-backport-keys-compared-by-value",
@@ -560,7 +560,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "finish-store-sent-after-its-block-was-evicted",
         "patches/finish_store_pinning.py",
-        "        kept = [still_carries(pool, pool.blocks[b], keys) for b, keys in zip(ids, store.keys)]\n",
+        "        kept = [carries_key_objects(pool, pool.blocks[b], *keys) for b, keys in zip(ids, store.keys)]\n",
         "        kept = [True for keys in store.keys]\n",
         # A GPU block evicted since the request finished is copied anyway (its keys are gone).
         ("tests/test_output_checkpoint.py::test_queued_answer_store_is_sent_unless_its_block_was_reused[evicted-before-sent]",),

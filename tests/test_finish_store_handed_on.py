@@ -28,7 +28,7 @@ from hybrid_kv_plugin.sim import HybridGeometry
 from hybrid_kv_plugin.sim.engine import SAMPLED_TOKEN
 
 from helpers import tokens
-from scenarios.output_checkpoint import queued_finish_store_blocks, turn_engine
+from scenarios.output_checkpoint import keys_compared_by_value, queued_finish_store_blocks, turn_engine
 
 GEOMETRY = HybridGeometry(attention_block_size=32, mamba_block_size=32)
 # (a's prompt, its answer tokens, b's tokens shared with a) per request end
@@ -72,15 +72,12 @@ def _hand_on(adapter, end: str) -> tuple[int, int, list[int], list[str]]:
 
 
 def _compare_keys_by_value(adapter, monkeypatch) -> None:
-    """Ablate the plugin's identity check (not vLLM code): equal keys pass."""
+    """Ablate the plugin's identity check (not vLLM code) on the wheel's path: equal keys pass."""
     if adapter.has_native_fine_grained_cpu_hits:
-        from hybrid_kv_plugin.patches import finish_store_pinning as pinning
-
-        monkeypatch.setattr(pinning, "still_carries", lambda pool, block, keys: pinning.block_keys(pool, block) == keys)
+        from hybrid_kv_plugin.patches import finish_store_pinning as checking
     else:
-        from hybrid_kv_plugin.offload.fine_grained_scheduler import FineGrainedOffloadScheduler as backport
-
-        monkeypatch.setattr(backport, "_carries", lambda self, block, keys: self._keys_of(block) == keys)
+        from hybrid_kv_plugin.offload import fine_grained_scheduler as checking
+    monkeypatch.setattr(checking, "carries_key_objects", keys_compared_by_value)
 
 
 @pytest.mark.both_schedulers

@@ -316,6 +316,7 @@ REKEYED_SEEDS = {
 
 def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, monkeypatch):
     from hybrid_kv_plugin.patches import finish_store_pinning
+    from scenarios.output_checkpoint import keys_compared_by_value
 
     installed = any(spec.name.startswith("finish_store_pinning.") for spec in plugin.patch_set.specs)
     assert installed == adapter.has_native_fine_grained_cpu_hits  # 0.30+; the 0.29 backport pins when it sends
@@ -329,9 +330,7 @@ def test_queued_finish_store_of_a_block_handed_on_is_dropped(plugin, adapter, mo
     variant = next(v for v in variants(adapter) if v.name == "plugin-hybrid-tier-fa64")
     counts = soak_clean(adapter, variant, seed)
     # Compare values, as before (the plugin's check, not vLLM code): the copy reads a block being rewritten.
-    monkeypatch.setattr(
-        finish_store_pinning, "still_carries", lambda pool, block, keys: finish_store_pinning.block_keys(pool, block) == keys
-    )
+    monkeypatch.setattr(finish_store_pinning, "carries_key_objects", keys_compared_by_value)
     _, _, violations = soak(adapter, variant, 10_000, seed)
     assert violations == [violation]
 

@@ -10,6 +10,7 @@ one a finishing request's CPU-tier store takes; the features decide the position
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 # Where output_checkpoint.rolling keeps a request's answer states: {group id: [state with a
@@ -23,6 +24,23 @@ def keyable_inside_blocks(manager: Any) -> bool:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     return type(manager) is FullAttentionManager
+
+
+def carries_key_objects(pool: Any, block: Any, primary: Any, secondary: Collection[Any]) -> bool:
+    """Whether ``block`` still answers to the very key objects recorded when a store was queued:
+    ``primary`` as its own hash, exactly ``secondary`` as its secondary (partial) keys in ``pool``.
+
+    Compared by identity: a block evicted and handed to a request with the same prefix is keyed
+    again with equal keys (new objects) before that request writes it, so equal keys alone would
+    copy a block being rewritten. The caller holds the recorded objects, so no new key takes their ids.
+    """
+    if block.block_hash is not primary:
+        return False
+    now = pool.cached_block_hashes_by_block.get(block.block_id, ())
+    if len(now) != len(secondary):
+        return False
+    recorded = {id(key) for key in secondary}
+    return all(id(key) in recorded for key in now)
 
 
 def key_attention_block(manager: Any, request: Any, position: int) -> None:

@@ -102,3 +102,10 @@ def two_turns(adapter: Any, enabled: bool | None, prompt: Sequence[int], output:
         run.invariants.check()
     forward = sum(1 for record in engine.steps[:steps] if record.num_scheduled_tokens)
     return TurnMeasurement(hit, external, steps, peak, left, stored, forward)
+
+
+def keys_compared_by_value(pool: Any, block: Any, primary: Any, secondary: Any) -> bool:
+    """An ablation of ``attention_partial_block.carries_key_objects`` (the plugin's check, not vLLM
+    code): equal keys pass, so a block handed on and keyed again looks unchanged."""
+    now = pool.cached_block_hashes_by_block.get(block.block_id, ())
+    return block.block_hash == primary and set(now) == set(secondary)

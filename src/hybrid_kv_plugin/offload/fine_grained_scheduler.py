@@ -75,7 +75,11 @@ from vllm.v1.simple_kv_offload.manager import (
 )
 
 from hybrid_kv_plugin._log import log_once
-from hybrid_kv_plugin.attention_partial_block import attention_tail_boundary, partial_tail_block
+from hybrid_kv_plugin.attention_partial_block import (
+    attention_tail_boundary,
+    carries_key_objects,
+    partial_tail_block,
+)
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.offload.stats import BoundaryStoreStats, StoreOutcome
 
@@ -616,19 +620,12 @@ class FineGrainedOffloadScheduler(SimpleCPUOffloadScheduler):
         return kept
 
     def _carries(self, block: KVCacheBlock, keys: tuple[CacheKey, ...]) -> bool:
-        """Whether ``block`` still answers to the very key objects staged in ``keys`` (``_keys_of``).
-
-        Compared by identity: a block evicted and handed to a request with the same prefix is
-        keyed again with equal keys (new objects) when that request is scheduled, before it
-        writes the block, so equal keys alone would copy a block being rewritten. The staged
-        record holds the key objects, so no new key can take their ids.
-        """
-        now = self._keys_of(block)
-        (primary, num_tokens), (staged_primary, staged_num_tokens) = now[0], keys[0]
-        if len(now) != len(keys) or primary is not staged_primary or num_tokens != staged_num_tokens:
-            return False
-        staged = {id(key) for key, _ in keys[1:]}
-        return all(id(key) in staged for key, _ in now[1:])
+        """Whether ``block`` still answers to the very key objects staged in ``keys`` (``_keys_of``),
+        for as many tokens: a block handed on and keyed again with equal keys does not."""
+        (primary, num_tokens), secondary = keys[0], [key for key, _ in keys[1:]]
+        return block.block_hash_num_tokens == num_tokens and carries_key_objects(
+            self._gpu_block_pool, block, primary, secondary
+        )
 
     def _clipped(self, batch: StoreBatch) -> StoreBatch:
         """``batch`` cut to the CPU blocks free now (its room was counted at finish, before other allocations)."""

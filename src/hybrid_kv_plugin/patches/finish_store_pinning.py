@@ -43,6 +43,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybrid_kv_plugin.attention_partial_block import carries_key_objects
 from hybrid_kv_plugin.patching import Installs, PatchSpec, ReadsFingerprint
 
 if TYPE_CHECKING:
@@ -117,24 +118,6 @@ def block_keys(pool: Any, block: Any) -> tuple[Any, frozenset[Any]]:
     return block.block_hash, frozenset(pool.cached_block_hashes_by_block.get(block.block_id, ()))
 
 
-def still_carries(pool: Any, block: Any, keys: tuple[Any, frozenset[Any]]) -> bool:
-    """Whether ``block`` still carries the very key objects recorded in ``keys`` (``block_keys``).
-
-    Compared by identity: a block evicted and handed to a new request with the same prefix is
-    re-keyed with equal keys (new objects) before that request writes it, so equal keys alone
-    would send a copy of a block being zeroed and rewritten. The recorded objects stay referenced
-    here, so no new key can take their ids.
-    """
-    primary, secondary = keys
-    if block.block_hash is not primary:
-        return False
-    now = pool.cached_block_hashes_by_block.get(block.block_id, ())
-    if len(now) != len(secondary):
-        return False
-    recorded = {id(key) for key in secondary}
-    return all(id(key) in recorded for key in now)
-
-
 def _unpinned(scheduler: Any) -> list[UnpinnedStore]:
     queued = scheduler.__dict__.get(UNPINNED_ATTR)
     if queued is None:
@@ -177,7 +160,7 @@ def _pin_still_cached(scheduler: Any, queued: list[UnpinnedStore]) -> None:
     for store in _still_pending(queued, pending):
         transfer = store.transfer
         ids = transfer.gpu_block_ids
-        kept = [still_carries(pool, pool.blocks[b], keys) for b, keys in zip(ids, store.keys)]
+        kept = [carries_key_objects(pool, pool.blocks[b], *keys) for b, keys in zip(ids, store.keys)]
         if not all(kept):
             cpu = scheduler.cpu_block_pool
             cpu.free_blocks([cpu.blocks[b] for b, keep in zip(transfer.cpu_block_ids, kept) if not keep])
