@@ -12,10 +12,13 @@ the harness's operations; this module's command line runs a long seeded program:
 
     PYTHONPATH=tests python -m soak --steps 10000                # every variant
     PYTHONPATH=tests python -m soak --steps 2000 --variant plugin --seed 7
+    PYTHONPATH=tests python -m soak --steps 4000 --seed 500-509 --both-schedulers   # a sweep
 
 and prints, per variant, the steps, requests, invariant checks and violations,
 and the loads whose bytes the simulated worker verified with the byte check's own
 violations (counted in the violations too; exit status 1 when any invariant was violated).
+A sweep (a range of seeds, both schedulers) runs every combination, reports a run that
+crashes and goes on, and closes with one ``soak sweep`` line of totals.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -432,13 +436,49 @@ def soak_pinned(adapter: Any, variant: Variant, pin: tuple[int, int, int], pinne
     return pinned_here
 
 
+def seed_range(text: str) -> range:
+    """``N`` or an inclusive ``FROM-TO`` (argparse type of ``--seed``)."""
+    low, sep, high = text.partition("-")
+    try:
+        seeds = range(int(low), int(high if sep else low) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a seed or a FROM-TO range of seeds: {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"empty range of seeds: {text!r} (FROM must not exceed TO)")
+    return seeds
+
+
+@dataclass
+class SweepTotals:
+    """What every run of one command found, for the closing line of a sweep."""
+
+    runs: int = 0
+    violating: int = 0
+    crashed: int = 0
+    byte_checked_loads: int = 0
+    byte_violations: int = 0
+
+    def line(self, version: str) -> str:
+        return (
+            f"soak sweep vllm {version}: runs={self.runs} violating={self.violating} crashed={self.crashed} "
+            f"byte_checked_loads={self.byte_checked_loads} byte_violations={self.byte_violations}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="engine steps per variant (default 10000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variant", action="append", help="variant name (default: all)")
     parser.add_argument(
+        "--seed", type=seed_range, default=range(1),
+        help="seed, or an inclusive range FROM-TO: one run each (default 0)",
+    )
+    parser.add_argument("--variant", action="append", help="variant name (default: all)")
+    schedulers = parser.add_mutually_exclusive_group()
+    schedulers.add_argument(
         "--async-scheduling", action="store_true", help="engine core as under AsyncScheduler (GPU vllm serve's default)"
+    )
+    schedulers.add_argument(
+        "--both-schedulers", action="store_true", help="each run under Scheduler, then under AsyncScheduler"
     )
     args = parser.parse_args(argv)
 
@@ -454,24 +494,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [v for v in variants(adapter) if not args.variant or v.name in args.variant]
     if not chosen:
         parser.error(f"no such variant; known: {', '.join(v.name for v in variants(adapter))}")
-    failed = False
-    for variant in chosen:
-        started = time.monotonic()
-        with default_scheduling(args.async_scheduling):
-            counts, checks, violations = soak(adapter, variant, args.steps, args.seed)
-        failed |= bool(violations)
-        print(
-            f"soak vllm {adapter.version} {variant.name}: steps={counts.steps} requests={counts.requests} "
-            f"invariant_checks={checks} violations={len(violations)} byte_checked_loads={counts.byte_checked_loads} "
-            f"byte_violations={counts.byte_violations} byte_off_grid_mamba_states={counts.byte_off_grid_mamba_states} "
-            f"| aborts={counts.aborts} "
-            f"preemptions={counts.preemptions} loads={counts.loads} failed_loads={counts.failed_loads} "
-            f"stores={counts.stores} gpu_resets={counts.gpu_resets} cpu_resets={counts.cpu_resets} "
-            f"(PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'unset')}; {time.monotonic() - started:.1f} s; "
-            f"{variant.describe()})",
-            flush=True,
-        )
-        for line in violations[:20]:
-            print(f"  violation: {line}")
-    return 1 if failed else 0
+    modes = (False, True) if args.both_schedulers else (args.async_scheduling,)
+    totals = SweepTotals()
+    for seed in args.seed:
+        for variant in chosen:
+            for asynchronous in modes:
+                totals.runs += 1
+                _run_one(adapter, variant, args.steps, seed, asynchronous, default_scheduling, totals)
+    if totals.runs > 1:
+        print(totals.line(adapter.version), flush=True)
+    return 1 if totals.violating or totals.crashed else 0
 
+
+def _run_one(
+    adapter: Any, variant: Variant, steps: int, seed: int, asynchronous: bool, scheduling: Any, totals: SweepTotals
+) -> None:
+    """One seeded run: its summary line, its violations (a crash is a finding too: the sweep goes on)."""
+    started = time.monotonic()
+    scheduler = "AsyncScheduler" if asynchronous else "Scheduler"
+    try:
+        with scheduling(asynchronous):
+            counts, checks, violations = soak(adapter, variant, steps, seed)
+    except Exception as error:  # noqa: BLE001 - reported, counted and the exit status says so
+        totals.crashed += 1
+        print(f"soak vllm {adapter.version} {variant.name}: crashed (seed {seed}; {scheduler}): {error!r}", flush=True)
+        traceback.print_exc()
+        return
+    totals.violating += bool(violations)
+    totals.byte_checked_loads += counts.byte_checked_loads
+    totals.byte_violations += counts.byte_violations
+    print(
+        f"soak vllm {adapter.version} {variant.name}: steps={counts.steps} requests={counts.requests} "
+        f"invariant_checks={checks} violations={len(violations)} byte_checked_loads={counts.byte_checked_loads} "
+        f"byte_violations={counts.byte_violations} byte_off_grid_mamba_states={counts.byte_off_grid_mamba_states} "
+        f"| aborts={counts.aborts} "
+        f"preemptions={counts.preemptions} loads={counts.loads} failed_loads={counts.failed_loads} "
+        f"stores={counts.stores} gpu_resets={counts.gpu_resets} cpu_resets={counts.cpu_resets} "
+        f"(seed {seed}; {scheduler}; PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'unset')}; "
+        f"{time.monotonic() - started:.1f} s; {variant.describe()})",
+        flush=True,
+    )
+    for line in violations[:20]:
+        print(f"  violation: {line}")
