@@ -93,6 +93,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("0.27.1",),
     ),
     Mutant(
+        "hybrid-hit-cut-inside-an-unwritten-full-block",
+        "scheduler_kind.py",
+        "    if not drafts_with_eagle(scheduler) and len({type(m) for m in managers}) < 2:\n",
+        # Full blocks marked under EAGLE only: a Mamba state at a unit boundary cuts a same-step
+        # whole-block attention hit inside the block, and its copy reads zeros.
+        "    if not drafts_with_eagle(scheduler):\n",
+        (
+            "tests/test_same_step_full_block_hit.py::test_hit_cut_inside_a_full_block_keyed_this_step_waits",
+            "tests/test_inert_patches.py::test_full_block_marks_only_where_a_hit_can_end_inside_one",
+        ),
+        ("0.26.0", "0.31.0"),
+    ),
+    Mutant(
         "eagle-chunk-runs-past-the-block-end",
         "patches/mamba_split_keeps_block_grid.py",
         "    return boundary if boundary < end else None\n",

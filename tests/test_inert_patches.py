@@ -360,10 +360,11 @@ def test_plugin_keeps_attributes_inline_where_stock_does(adapter):
 
 
 # The full-block marks of local_hit_admission, on the engine's GPU pool: only where a hit can end inside
-# a full attention block (an EAGLE-family drafter drops one unit, blocks coarser than the unit of 16).
+# a full attention block, on blocks coarser than the unit of 16 (an EAGLE-family drafter drops one unit;
+# the hybrid model's Mamba state at a unit boundary cuts the hit, EAGLE or not).
 @pytest.mark.parametrize(
     ("attention_block", "eagle", "enters"),
-    [(16, True, "stock"), (32, False, "stock"), (32, True, "local_hit_admission.mark_full")],
+    [(16, True, "stock"), (32, False, "local_hit_admission.mark_full"), (32, True, "local_hit_admission.mark_full")],
 )
 def test_full_block_marks_only_where_a_hit_can_end_inside_one(plugin, make_engine, attention_block, eagle, enters):
     from vllm.v1.core.block_pool import BlockPool

@@ -31,6 +31,7 @@ import pytest
 
 from hybrid_kv_plugin.config import PluginConfigError
 from hybrid_kv_plugin.sim import HybridGeometry, SimEngine
+from scenarios.outlived_state import state_without_attention
 
 PREFIX = [random.Random(5).randrange(1, 30_000) for _ in range(112)]
 UNIT = 16
@@ -55,17 +56,7 @@ def _engine(adapter) -> SimEngine:
 def _run(adapter) -> tuple[SimEngine, list[dict[str, int]]]:
     """Runs the case up to ``a`` and ``b``; returns the engine and the steps that scheduled them."""
     engine = _engine(adapter)
-    p = engine.add_request("p", PREFIX[:81], max_tokens=1)
-    engine.run_until_idle()
-    pool = engine.gpu_block_pool
-    key = p.block_hashes[STATE_AT // UNIT - 1]
-    state = pool.get_cached_block(key, [1])
-    assert state is not None and pool.get_cached_block(key, [0]) is not None
-    pool.touch(state)  # a request holds the state while the filler runs
-    engine.run([("filler", _own(1, 250))])
-    pool.free_blocks(state)
-    # The state outlived every attention key at its position.
-    assert (pool.get_cached_block(key, [1]), pool.get_cached_block(key, [0])) == (state, None)
+    state_without_attention(engine, PREFIX[:81], STATE_AT, _own(1, 250))
     engine.add_request("a", PREFIX, max_tokens=1)
     engine.add_request("b", PREFIX[:88] + _own(2, 20), max_tokens=1)
     steps = [record.num_scheduled_tokens for record in engine.run_until_idle()]

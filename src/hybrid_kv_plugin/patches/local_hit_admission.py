@@ -35,12 +35,18 @@ What it changes (four attributes, installed together):
   a position the requesting request has not computed yet marks its block as
   written from ``max(computed tokens, block start)`` by this step's forward pass;
 * ``BlockPool.cache_full_blocks``: likewise for the full blocks a chunk keys as it is
-  scheduled, on engines where a hit can end inside one: EAGLE drops one prefix-match
-  unit off a full-block hit, on attention blocks coarser than the unit
-  (``scheduler_kind.HIT_INSIDE_FULL_BLOCKS``; other engines mark nothing). Found by the
-  soak's ``plugin-junction`` with 32-token attention blocks (0.26-0.33): a request
-  admitted in the step that computes a shared prefix's block 128..160 hit 144 and
-  read zeros;
+  scheduled, on engines where a hit can end inside one, with attention blocks coarser
+  than the unit (``scheduler_kind.HIT_INSIDE_FULL_BLOCKS``; other engines mark nothing):
+  EAGLE drops one prefix-match unit off a full-block hit (found by the soak's
+  ``plugin-junction`` with 32-token attention blocks, 0.26-0.33: a request admitted in
+  the step that computes a shared prefix's block 128..160 hit 144 and read zeros); and
+  a hybrid model's hit ends where every group has one, so a Mamba state at a unit
+  boundary cuts a whole-block attention hit inside the block (no option needed; found
+  by a 50,000-step soak, ``plugin-auto-ends-fa32`` seed 600 on 0.31, step 43,417:
+  a request hit 96 in the block 64..96 another one computes that step, and the prompt-end
+  state at 80 of an earlier request cut the hit to 80: its copy read zeros;
+  ``tests/test_same_step_full_block_hit.py``, 0.26-0.33 but 0.27.1, whose scheduler
+  admits the second request a step later by itself);
 * ``KVCacheManager.allocate_slots``: a request whose local hit ends inside such a
   block of a full-attention group, past that position, is not allocated this step
   (the answer the scheduler gets when blocks run short), so it is admitted a step
@@ -180,7 +186,7 @@ def _wrap_mark_full(original: Any) -> Any:
         kv_cache_group_id: int, *args: Any, **kwargs: Any,
     ) -> Any:
         original(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, *args, **kwargs)
-        if HIT_INSIDE_FULL_BLOCKS:  # an EAGLE engine with coarse attention blocks exists: is it this pool?
+        if HIT_INSIDE_FULL_BLOCKS:  # an engine whose hits can end inside full blocks exists: is it this pool?
             entry = HIT_INSIDE_FULL_BLOCKS.get(id(self))
             computed = request.num_computed_tokens
             # Blocks keyed now that this step's forward pass still writes (all but a hit's or a replay's).
