@@ -95,7 +95,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hybrid-hit-cut-inside-an-unwritten-full-block",
         "scheduler_kind.py",
-        "    if not drafts_with_eagle(scheduler) and len({type(m) for m in managers}) < 2:\n",
+        "    if not drafts_with_eagle(scheduler) and len(managers) < 2:\n",
         # Full blocks marked under EAGLE only: a Mamba state at a unit boundary cuts a same-step
         # whole-block attention hit inside the block, and its copy reads zeros.
         "    if not drafts_with_eagle(scheduler):\n",

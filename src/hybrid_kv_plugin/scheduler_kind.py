@@ -47,13 +47,13 @@ def drafts_with_eagle(scheduler: Any) -> bool:
 
 def groups_hit_inside_full_blocks(scheduler: Any) -> frozenset[int]:
     """The attention groups of ``scheduler`` whose full blocks a prefix hit can end inside, on blocks
-    coarser than the prefix-match unit: under EAGLE (the drafter's last unit is recomputed), or in a
-    hybrid model, where the hit ends at the deepest position every group has (a Mamba state at a
-    unit boundary inside an attention block the lookup found whole)."""
+    coarser than the prefix-match unit: under EAGLE (the drafter's last unit is recomputed), or with
+    more than one KV-cache group, where the hit ends at the deepest position every group has (a
+    hybrid model's Mamba state at a unit boundary inside an attention block the lookup found whole)."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    if not drafts_with_eagle(scheduler) and len({type(m) for m in managers}) < 2:
+    if not drafts_with_eagle(scheduler) and len(managers) < 2:
         return frozenset()
     unit = scheduler.kv_cache_manager.block_pool.hash_block_size
     return frozenset(
